@@ -1,0 +1,389 @@
+"""The engine: a scheduler, a KV pool and a model runner, stepped in a loop.
+
+``step()`` reads as a sentence: schedule → execute → update. Prefill and decode workers run
+the same engine: a prefill worker adds sequences with ``stop_after_prefill`` and exports
+their prompt KV when the first token is sampled; a decode worker admits sequences whose
+prompt KV it loads from the KV store (:meth:`LLMEngine.admit_with_kv`) and decodes them in
+a continuous batch. An engine is single-threaded: one thread owns it (see
+``services/common/engine_loop.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from engine.block_manager import BlockManager, KVBlock
+from engine.kv_cache import PagedKVCache
+from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_attention
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.hashing import hash_extra
+from shared.messages import KVLayout, SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine sizes. ``num_kv_blocks`` 0 = from ``kv_cache_memory_bytes``."""
+
+    model_id: str
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    kv_cache_memory_bytes: int = 1 << 30
+    num_kv_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class PromptKV:
+    """A prompt's KV copied out of the pool: full blocks by hash, and the partial tail."""
+
+    block_hashes: list[bytes]
+    blocks: list[memoryview]
+    tail: memoryview | None
+    num_tail_tokens: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step did for one sequence that sampled a token.
+
+    A snapshot taken on the engine thread: ``index`` (output position of the first new
+    token), ``finish_reason`` and ``finished`` describe this step even if the consumer reads
+    them after the engine has moved on. ``seq`` is the live sequence (its counters move).
+    """
+
+    seq: Sequence
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    index: int
+    finished: bool
+    finish_reason: str | None = None
+    prompt_kv: PromptKV | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_loaded_tokens: int = 0
+    step_seconds: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Paged-KV, continuously batched inference over a transformers causal LM.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation=ATTN_IMPLEMENTATION``.
+        config: sizes.
+        eos_token_ids: tokens that end generation.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, eos_token_ids: Iterable[int] = ()):
+        register_attention()
+        mc = model.config
+        self.config = config
+        self.model = model
+        num_layers = mc.num_hidden_layers
+        num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.bytes_per_token = PagedKVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // (self.bytes_per_token * config.block_size))
+        self.max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
+        self.kv_cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
+                                     self.dtype, self.device, config.model_id)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sequences: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+
+    @classmethod
+    def load(cls, folder, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LLMEngine:
+        """Load a Hugging Face model folder and build an engine around it."""
+        from engine.model_loader import load_model
+
+        register_attention()
+        model = load_model(folder, dtype, device, ATTN_IMPLEMENTATION)
+        return cls(model, config, eos_token_ids=eos_ids_of(model))
+
+    # --- properties ---------------------------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self.kv_cache.layout
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def hash_extra(self, cache_salt: str = "") -> bytes:
+        return hash_extra(self.config.model_id, self.config.block_size, cache_salt)
+
+    # --- adding and removing requests -----------------------------------------------------
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams,
+        output_token_ids: Seq[int],
+        cache_salt: str,
+        stop_after_prefill: bool,
+        block_hashes: Seq[bytes] | None,
+    ) -> Sequence:
+        if request_id in self.sequences:
+            raise InvalidRequest(f"request {request_id} is already in the engine")
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt has no tokens", param="prompt")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_token_ids)} in the prompt, {sampling.max_tokens} for the completion).",
+                param="max_tokens",
+            )
+        if -(-total // self.config.block_size) > self.num_kv_blocks:
+            raise ContextLengthExceeded(
+                f"{total} tokens do not fit this worker's KV pool of {self.num_kv_blocks * self.config.block_size} tokens",
+                param="max_tokens",
+            )
+        if not sampling.is_greedy and sampling.seed is None:
+            sampling = msgspec.structs.replace(sampling, seed=random.getrandbits(63))
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=[*prompt_token_ids, *output_token_ids],
+            num_prompt_tokens=len(prompt_token_ids),
+            sampling=sampling,
+            block_size=self.config.block_size,
+            hash_extra=self.hash_extra(cache_salt),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            stop_after_prefill=stop_after_prefill,
+            block_hashes=list(block_hashes) if block_hashes else [],
+        )
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams,
+        *,
+        output_token_ids: Seq[int] = (),
+        cache_salt: str = "",
+        stop_after_prefill: bool = False,
+        block_hashes: Seq[bytes] | None = None,
+    ) -> Sequence:
+        """Queue a request. ``output_token_ids`` resumes one that already has output (its
+        KV is recomputed). ``stop_after_prefill`` ends it once its first token is sampled,
+        with its prompt KV exported in the step output.
+
+        Raises:
+            InvalidRequest: empty prompt, a token id outside the vocabulary, a duplicate id.
+            ContextLengthExceeded: prompt + max_tokens exceeds the context or the KV pool.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling, output_token_ids, cache_salt,
+                                 stop_after_prefill, block_hashes)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` would find room in the pool now."""
+        return -(-num_tokens // self.config.block_size) <= self.block_manager.num_free_blocks
+
+    def cached_block_hashes(self, block_hashes: Seq[bytes]) -> int:
+        """How many leading hashes are in this worker's prefix cache (a hint: the answer may
+        change before the engine thread acts on it)."""
+        n = 0
+        for h in block_hashes:
+            if self.block_manager.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    def admit_with_kv(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        output_token_ids: Seq[int],
+        sampling: SamplingParams,
+        block_hashes: Seq[bytes],
+        blocks: Seq[bytes | memoryview | None],
+        tail: bytes | memoryview | None,
+        *,
+        cache_salt: str = "",
+    ) -> Sequence:
+        """Admit a request whose prompt KV was computed elsewhere.
+
+        Each full block is taken from this worker's prefix cache when it has it, else from
+        ``blocks[i]`` (the bytes loaded from the KV store; None when missing there). The
+        ``tail`` covers the prompt's last ``len(prompt) % block_size`` tokens. Whatever is
+        missing is recomputed, from the first gap on.
+
+        Raises:
+            InvalidRequest, ContextLengthExceeded: as for :meth:`add_request`.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling, output_token_ids, cache_salt,
+                                 False, block_hashes)
+        bm = self.block_manager
+        bs = self.config.block_size
+        num_prompt = len(prompt_token_ids)
+        num_full = num_prompt // bs
+        local = loaded = 0
+        for i in range(num_full):
+            h = seq.block_hashes[i]
+            block = bm.lookup(h)
+            if block is not None:
+                bm.hold(block)
+                local += 1
+            elif i < len(blocks) and blocks[i] is not None and bm.num_free_blocks > 0:
+                block = bm.allocate_block()
+                self.kv_cache.import_block(block.block_id, blocks[i])
+                bm.register_block(block, h)
+                loaded += 1
+            else:
+                break
+            seq.block_table.append(block.block_id)
+        num_tail = num_prompt - num_full * bs
+        computed = len(seq.block_table) * bs
+        if computed == num_full * bs and num_tail and tail is not None and bm.num_free_blocks > 0:
+            block = bm.allocate_block()
+            self.kv_cache.import_block(block.block_id, tail, num_tail)
+            seq.block_table.append(block.block_id)
+            computed += num_tail
+        seq.num_computed_tokens = min(computed, seq.num_tokens - 1)
+        seq.num_cached_tokens = local * bs
+        self.stats.num_cached_tokens += local * bs
+        self.stats.num_loaded_tokens += computed - local * bs
+        self.sequences[request_id] = seq
+        self.scheduler.add_running(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks are freed. False if unknown."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    # --- the loop -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule → execute → update. Returns outputs of sequences that sampled a token."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        started = time.perf_counter()
+        result = self.runner.execute(plan.scheduled)
+        outputs = self._update(plan.scheduled, result)
+        self.stats.num_steps += 1
+        self.stats.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _update(self, scheduled, result) -> list[StepOutput]:
+        for item in scheduled:
+            seq = item.seq
+            if item.num_new_tokens == 1 and seq.num_computed_tokens > 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.stats.num_decode_tokens += 1
+            else:
+                self.stats.num_prefill_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for item, token_id, logprob in zip(result.sampled, result.token_ids, result.logprobs):
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.append_token(token_id)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            reason = seq.check_finished()
+            ends_here = reason is not None or seq.stop_after_prefill
+            out = StepOutput(seq, [token_id], [logprob], index=seq.num_output_tokens - 1, finished=ends_here,
+                             finish_reason=reason)
+            if seq.stop_after_prefill and reason is None:
+                out.prompt_kv = self.export_prompt_kv(seq)
+            if ends_here:
+                self._finish(seq, reason)
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        self.sequences.pop(seq.request_id, None)
+        self.scheduler.finish(seq, reason)
+
+    def export_prompt_kv(self, seq: Sequence) -> PromptKV:
+        """Copy the KV of ``seq``'s prompt out of the pool (call before its blocks are freed)."""
+        bs = self.config.block_size
+        num_prompt = seq.num_prompt_tokens
+        num_full = num_prompt // bs
+        num_tail = num_prompt - num_full * bs
+        ids = seq.block_table[: num_full + (1 if num_tail else 0)]
+        sizes = [bs] * num_full + ([num_tail] if num_tail else [])
+        buffers = self.kv_cache.export_blocks(ids, sizes)
+        return PromptKV(
+            block_hashes=seq.block_hashes[:num_full],
+            blocks=buffers[:num_full],
+            tail=buffers[num_full] if num_tail else None,
+            num_tail_tokens=num_tail,
+            num_tokens=num_prompt,
+        )
+
+    # --- offline use ------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+        """Run prompts to completion in one continuous batch; returns finished sequences in
+        prompt order (their ``output_token_ids``). For tests, benchmarks and offline use."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        base = f"gen-{random.getrandbits(32):08x}"
+        seqs = [self.add_request(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        while self.has_unfinished():
+            self.step()
+        return seqs
+
+
+def eos_ids_of(model: torch.nn.Module) -> set[int]:
+    """End-of-sequence token ids from the model's generation config (an int or a list)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is None:
+            continue
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+def block_for(bm: BlockManager, block_id: int) -> KVBlock:
+    return bm.blocks[block_id]

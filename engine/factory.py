@@ -1,0 +1,47 @@
+"""Building an engine from settings (used by the prefill and decode workers and the
+benchmarks, so all of them run the very same configuration)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.model_loader import ensure_model, resolve_device, resolve_dtype
+from shared.config import Settings
+from shared.logging import get_logger
+from shared.models import served_model_name
+
+log = get_logger(__name__)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        model_id=served_model_name(settings),
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+
+
+def build_engine(settings: Settings) -> LLMEngine:
+    """Ensure the model folder, pick device and dtype, set torch threads, load the engine."""
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    folder = ensure_model(settings)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    engine = LLMEngine.load(folder, engine_config(settings), dtype, device)
+    log.info(
+        "engine_loaded",
+        model=str(folder),
+        dtype=str(dtype),
+        device=str(device),
+        num_kv_blocks=engine.num_kv_blocks,
+        kv_bytes_per_token=engine.bytes_per_token,
+        max_model_len=engine.max_model_len,
+        torch_threads=torch.get_num_threads(),
+    )
+    return engine

@@ -1,0 +1,131 @@
+"""The paged KV pool of one worker, and moving blocks between it and the KV store.
+
+One tensor holds every layer: ``kv: [num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (index 0 of the second axis is K, 1 is V). A block exported to the store is the
+``[num_layers, 2, n, num_kv_heads, head_dim]`` slice of one block id (``n = block_size`` for
+full blocks, fewer for a prompt's tail), as raw bytes in the cache dtype.
+
+On CUDA, blocks go to and from the store through a pinned host buffer with non-blocking
+copies; on CPU they are plain copies.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from shared.messages import KVLayout
+
+
+class PagedKVCache:
+    """The KV pool.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: from the model config.
+        num_blocks: pool size in blocks.
+        block_size: tokens per block.
+        dtype, device: of the cache.
+        model_id: goes into the exported layout, so only the same model reads the blocks.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        model_id: str,
+    ):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.layout = KVLayout(
+            model_id=model_id,
+            dtype=str(dtype).removeprefix("torch."),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+        )
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """KV bytes one token occupies: layers × 2 (K, V) × KV heads × head_dim × itemsize."""
+        return num_layers * 2 * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)`` of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def export_blocks(self, block_ids: Sequence[int], num_tokens: Sequence[int] | None = None) -> list[memoryview]:
+        """Copy blocks out of the pool, one byte buffer per block.
+
+        Args:
+            block_ids: blocks to copy.
+            num_tokens: tokens to keep of each block (default: all ``block_size``).
+
+        Returns:
+            One buffer per block, ``[num_layers, 2, n, num_kv_heads, head_dim]`` in the
+            cache dtype, C order.
+        """
+        if not block_ids:
+            return []
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        # [L, 2, n_blocks, bs, KVH, D] -> [n_blocks, L, 2, bs, KVH, D]
+        data = self.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
+        if self.device.type == "cuda":
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            data = host
+        else:
+            data = data.contiguous()
+        out = []
+        for i in range(len(block_ids)):
+            block = data[i]
+            if num_tokens is not None and num_tokens[i] != self.block_size:
+                block = block[:, :, : num_tokens[i]].contiguous()
+            out.append(_as_bytes(block))
+        return out
+
+    def import_block(self, block_id: int, data: bytes | bytearray | memoryview, num_tokens: int | None = None) -> None:
+        """Write one exported block (``num_tokens`` of them, default a full block) into
+        ``block_id``.
+
+        Raises:
+            ValueError: ``data`` does not have the size that layout implies.
+        """
+        n = self.block_size if num_tokens is None else num_tokens
+        shape = (self.num_layers, 2, n, self.num_kv_heads, self.head_dim)
+        expected = 1
+        for s in shape:
+            expected *= s
+        expected *= self.kv.element_size()
+        if len(data) != expected:
+            raise ValueError(f"KV block has {len(data)} bytes, layout needs {expected}")
+        with warnings.catch_warnings():  # read-only bytes: we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        src = src.view(self.dtype).view(shape)
+        if self.device.type == "cuda":
+            src = src.pin_memory().to(self.device, non_blocking=True)
+        self.kv[:, :, block_id, :n].copy_(src)
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,219 @@
+"""Running one engine step: prepare inputs → forward → sample.
+
+The model is a transformers causal LM loaded with ``attn_implementation="pdserve_paged"``:
+its own layers (projections, RoPE, MLPs, norms) run unchanged and call
+:func:`paged_attention_forward` for attention, which writes the step's keys and values into
+the paged KV cache and attends over the cache. All sequences of a step are packed into one
+row of ``num_tokens`` tokens (no padding); decode tokens come first, then prefill chunks.
+Any architecture whose transformers implementation goes through the attention interface
+(Llama, Mistral, Qwen2/3, Gemma, Phi-3, ...) works the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from engine.kv_cache import PagedKVCache
+from engine.sampler import SamplingRow, sample
+from engine.scheduler import ScheduledSeq
+from shared.messages import TokenLogprob
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One sequence's chunk of queries in the packed row."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What paged attention needs for one step (passed to every layer as ``pd_attn``).
+
+    ``slot_mapping[t]`` is the cache slot of packed token ``t``. The first
+    ``num_decode_tokens`` tokens are one query each of the decode sequences, described by
+    ``decode_block_tables: [num_decode, max_blocks]`` and ``decode_context_lens:
+    [num_decode]``; the rest are the ``prefills`` segments, in order.
+    """
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    attention: object = None  # kernels module
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function over pdserve's paged KV cache.
+
+    Args:
+        query: ``[1, num_heads, num_tokens, head_dim]`` (RoPE applied).
+        key, value: ``[1, num_kv_heads, num_tokens, head_dim]``.
+        kwargs: must hold ``pd_attn`` (:class:`AttentionMetadata`).
+
+    Returns:
+        ``([1, num_tokens, num_heads, head_dim], None)``.
+    """
+    meta: AttentionMetadata = kwargs["pd_attn"]
+    attn = meta.attention
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, KVH, D]
+    v = value[0].transpose(0, 1)
+    attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = attn.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    for seg in meta.prefills:
+        s, e = seg.query_start, seg.query_start + seg.query_len
+        if seg.query_len == seg.context_len:
+            # no cached prefix: attend over this chunk's own keys, no gather needed
+            out[s:e] = _causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
+        else:
+            out[s:e] = attn.paged_prefill_attention(q[s:e], k_cache, v_cache, seg.block_table, seg.context_len, scale)
+    return out.unsqueeze(0), None
+
+
+def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [n, H, D], k/v: [n, KVH, D] -> [n, H, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def register_attention() -> None:
+    """Register :func:`paged_attention_forward` with transformers (idempotent), and a mask
+    function that builds no mask: paged attention masks from its metadata."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, lambda *args, **kwargs: None)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Sampled tokens of the sequences that reached the end of their tokens this step."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    sampled: list[ScheduledSeq]
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; runs scheduled batches.
+
+    Args:
+        model: a transformers causal LM loaded with ``attn_implementation=ATTN_IMPLEMENTATION``.
+        kv_cache: the paged KV pool.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.block_size = kv_cache.block_size
+        self.attention = kernels.select(self.device.type)
+
+    def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        logits_index: list[int] = []
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1 and start > 0:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSegment(
+                    query_start=len(input_ids) - n,
+                    query_len=n,
+                    context_len=start + n,
+                    block_table=torch.tensor(table, dtype=torch.long, device=self.device),
+                ))
+            logits_index.append(len(input_ids) - 1)
+        dev = self.device
+        decode_block_tables = decode_context_lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
+            decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=decode_block_tables,
+            decode_context_lens=decode_context_lens,
+            prefills=prefills,
+            attention=self.attention,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, logits_index
+
+    @torch.inference_mode()
+    def execute(self, batch: Seq[ScheduledSeq]) -> StepResult:
+        """Run one step over ``batch`` and sample for the sequences that reach their end.
+
+        Decode items (one token on top of a computed context) are packed before prefill
+        chunks; ``StepResult.sampled`` is in that packed order.
+        """
+        batch = sorted(batch, key=lambda it: not (it.num_new_tokens == 1 and it.seq.num_computed_tokens > 0))
+        ids, pos, meta, logits_index = self._prepare(batch)
+        sampled = [item for item in batch if item.samples]
+        keep = torch.tensor([logits_index[i] for i, item in enumerate(batch) if item.samples], dtype=torch.long, device=self.device)
+        if not sampled:
+            keep = keep[:0]
+        out = self.model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=pos.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=keep if sampled else torch.tensor([0], device=self.device),
+            pd_attn=meta,
+        )
+        if not sampled:
+            return StepResult([], [], [])
+        logits = out.logits[0]  # [num_sampled, vocab]
+        rows = [SamplingRow(it.seq.sampling, it.seq.prompt_token_ids, it.seq.output_token_ids) for it in sampled]
+        token_ids, logprobs = sample(logits, rows)
+        return StepResult(token_ids, logprobs, sampled)

@@ -1,0 +1,146 @@
+"""Which sequences run in the next engine step, and with how many tokens each.
+
+One step has a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Running sequences go first, in arrival order: a decoding sequence needs one
+token, a sequence in the middle of a chunked prefill needs the rest of its prompt, cut to the
+budget. Then waiting sequences are admitted in arrival order, each after its prefix-cache
+hits are counted as computed, while budget, sequence slots and KV blocks last; a long prompt
+is admitted with a first chunk (chunked prefill) and continues in later steps.
+
+When a running sequence needs a block and none is free, the most recently arrived running
+sequence is preempted by recompute: its blocks are freed (full ones stay in the prefix cache,
+so recompute is often cheap) and it goes back to the front of the queue with its tokens —
+prompt and output — to be prefilled again. This is vLLM v1's policy
+(``vllm/v1/core/sched/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens (so a token is sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and preemption.
+
+    Args:
+        block_manager: the worker's KV pool bookkeeping.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: token budget of one step.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Add a sequence whose blocks are already allocated (KV loaded from the store)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running sequences: decode steps and continuing chunked prefills
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not bm.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself; nothing after it is left either
+            bm.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        # 2. waiting sequences, unless this step had to preempt
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            computed = bm.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+            num_computed = seq.num_computed_tokens + len(computed) * bm.block_size
+            n = min(seq.num_tokens - num_computed, budget)
+            if not bm.can_allocate(seq, n, computed):
+                break
+            self.waiting.popleft()
+            if seq.num_computed_tokens == 0:
+                seq.num_cached_tokens = len(computed) * bm.block_size
+            bm.allocate(seq, n, computed)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str | None) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,161 @@
+"""The ``pdserve`` command.
+
+    pdserve up [--detach] [--prefill N --decode N --tokenizer N --postfilter N]
+    pdserve down
+    pdserve status
+    pdserve convert
+    pdserve settings
+    pdserve bench {pipeline,bus}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from shared.config import Settings, SettingsError
+
+
+def _settings(args) -> Settings:
+    overrides = {}
+    if getattr(args, "port", None):
+        overrides["gateway_port"] = args.port
+    if getattr(args, "kv_store", None):
+        overrides["kv_store"] = args.kv_store
+    try:
+        return Settings.from_env(**overrides)
+    except SettingsError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+
+
+def cmd_up(args) -> int:
+    from services import launcher
+
+    settings = _settings(args)
+    replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.decode,
+                "postfilter": args.postfilter, "gateway": 1}
+    dep = launcher.up(settings, replicas, args.detach, Path(args.state_dir), args.ready_timeout)
+    print(f"pdserve is ready at {dep.url}  (OpenAI API: {dep.url}/v1, model '{_model_name(settings)}')", flush=True)
+    if args.detach:
+        print("stop it with: pdserve down", flush=True)
+        return 0
+    print("Ctrl-C stops it.", flush=True)
+    return launcher.run_foreground(dep)
+
+
+def _model_name(settings: Settings) -> str:
+    from shared.models import served_model_name
+
+    return served_model_name(settings)
+
+
+def cmd_down(args) -> int:
+    from services import launcher
+
+    if launcher.down(Path(args.state_dir)):
+        print("pdserve: stopped", flush=True)
+    else:
+        print(f"pdserve: nothing running (no state in {args.state_dir})", flush=True)
+    return 0
+
+
+def cmd_status(args) -> int:
+    settings = _settings(args)
+
+    async def collect() -> dict:
+        from shared import bus
+        from shared.messages import Heartbeat
+        from shared.subjects import Protocol
+
+        nc = await bus.connect(settings, "pdserve-status", max_reconnect_attempts=0)
+        seen: dict[str, Heartbeat] = {}
+
+        async def on(msg) -> None:
+            if isinstance(msg, Heartbeat):
+                seen[msg.instance_id] = msg
+
+        await bus.subscribe_messages(nc, Protocol(settings.namespace).heartbeat, on)
+        await asyncio.sleep(settings.heartbeat_interval_s * 2.2)
+        await nc.close()
+        return seen
+
+    seen = asyncio.run(collect())
+    if not seen:
+        print("no pdserve workers are sending heartbeats")
+        return 1
+    print(f"{'stage':<11} {'instance':<28} {'ready':<6} {'running':>7} {'metrics port':>12}")
+    for hb in sorted(seen.values(), key=lambda h: (h.stage, h.instance_id)):
+        print(f"{hb.stage:<11} {hb.instance_id:<28} {str(hb.ready):<6} {hb.num_running:>7} {hb.metrics_port:>12}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from engine.model_loader import ensure_model
+
+    started = time.monotonic()
+    print(ensure_model(_settings(args)), f"({time.monotonic() - started:.1f}s)")
+    return 0
+
+
+def cmd_settings(args) -> int:
+    print("| variable | default | meaning |")
+    print("|---|---|---|")
+    for name, default, doc in Settings.table():
+        print(f"| `{name}` | `{default}` | {doc} |")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "pipeline":
+        from loadtest.bench_pipeline import main as bench_main
+    elif args.what == "bus":
+        from loadtest.bench_bus import main as bench_main
+    else:
+        raise SystemExit(f"unknown benchmark {args.what}")
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving over NATS.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start every service and wait until ready")
+    up.add_argument("--detach", action="store_true", help="return once ready; stop with 'pdserve down'")
+    for stage in ("tokenizer", "prefill", "decode", "postfilter"):
+        up.add_argument(f"--{stage}", type=int, default=1, metavar="N", help=f"{stage} replicas (default 1)")
+    up.add_argument("--port", type=int, help="gateway port (default PD_GATEWAY_PORT or 8000)")
+    up.add_argument("--kv-store", choices=("shm", "redis"), help="KV store (default PD_KV_STORE or shm)")
+    up.add_argument("--state-dir", default=".pdserve", help="pids, logs, NATS store (default .pdserve)")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    up.set_defaults(fn=cmd_up)
+
+    down = sub.add_parser("down", help="stop a deployment started with --detach")
+    down.add_argument("--state-dir", default=".pdserve")
+    down.set_defaults(fn=cmd_down)
+
+    st = sub.add_parser("status", help="list live workers from their heartbeats")
+    st.set_defaults(fn=cmd_status)
+
+    conv = sub.add_parser("convert", help="convert the default model once (up does this too)")
+    conv.set_defaults(fn=cmd_convert)
+
+    se = sub.add_parser("settings", help="print the PD_* settings table")
+    se.set_defaults(fn=cmd_settings)
+
+    be = sub.add_parser("bench", help="benchmarks that print their figures")
+    be.add_argument("what", choices=("pipeline", "bus"))
+    be.add_argument("rest", nargs=argparse.REMAINDER)
+    be.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Pulling work items from a stage's durable consumer, with back-pressure.
+
+A worker fetches only as many items as it has room for (``capacity()``), so a busy replica
+leaves work in the stream for an idle one. Each item is handled in its own task. The
+handler acks when the item's hand-off downstream is durable; this module deals with what the
+handler does not:
+
+* an undecodable item is terminated (never redelivered) and, when its request id and
+  reply subject can still be read, the request gets an error;
+* an exception whose class says ``nak`` is retried via redelivery with a delay, until the
+  item's last delivery, when the request gets an error instead;
+* any other exception fails the request with an error event and acks the item;
+* items held a long time (decode holds its item until the request finishes) are marked
+  in progress well inside ``ack_wait``, so JetStream does not redeliver them while alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from shared import bus
+from shared.errors import PdError, PoisonMessage
+from shared.messages import decode_as
+from shared.metrics import stage_metrics
+from shared.subjects import WorkQueue
+
+
+@dataclass(slots=True, eq=False)
+class WorkItem:
+    """One fetched work item and its JetStream delivery."""
+
+    msg: Msg
+    message: msgspec.Struct
+    num_delivered: int
+    max_deliver: int = 1
+    fetched_at: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.message.meta.request_id  # type: ignore[attr-defined]
+
+    @property
+    def is_last_delivery(self) -> bool:
+        return self.num_delivered >= self.max_deliver
+
+    async def ack(self) -> None:
+        if not self.done:
+            self.done = True
+            await _quiet(self.msg.ack())
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        if not self.done:
+            self.done = True
+            await _quiet(self.msg.nak(delay=delay_s))
+
+    async def term(self) -> None:
+        if not self.done:
+            self.done = True
+            await _quiet(self.msg.term())
+
+
+async def _quiet(coro) -> None:
+    try:
+        await coro
+    except Exception:
+        pass  # the connection is gone: JetStream redelivers after ack_wait
+
+
+def _best_effort_ids(data: bytes) -> tuple[str | None, str | None]:
+    """(request_id, reply_to) from a message that failed strict decoding, if readable."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+        meta = raw.get("meta", {})
+        return meta.get("request_id"), meta.get("reply_to")
+    except Exception:
+        return None, None
+
+
+class PullConsumer:
+    """Fetch loop of one work queue.
+
+    Args:
+        worker: the owning :class:`~services.common.runtime.Worker`.
+        queue: the work queue.
+        kind: expected message type; anything else is poison.
+        handler: coroutine run per item; it acks (or naks) the item.
+        capacity: how many more items the worker can take now.
+        max_batch: most items per fetch.
+    """
+
+    def __init__(self, worker, queue: WorkQueue, kind: type, handler: Callable[[WorkItem], Awaitable[None]],
+                 capacity: Callable[[], int], max_batch: int = 16):
+        self.worker = worker
+        self.queue = queue
+        self.kind = kind
+        self.handler = handler
+        self.capacity = capacity
+        self.max_batch = max_batch
+        self.in_flight: set[WorkItem] = set()
+        self.room = asyncio.Event()
+        self.metrics = stage_metrics(queue.stage)
+        self.log = worker.log
+
+    def notify_room(self) -> None:
+        """Call when capacity may have grown (a request finished)."""
+        self.room.set()
+
+    async def run(self) -> None:
+        w = self.worker
+        psub = None
+        while not w.stopping.is_set():
+            n = min(self.capacity(), self.max_batch)
+            if n <= 0:
+                self.room.clear()
+                try:
+                    await asyncio.wait_for(self.room.wait(), 0.25)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                if psub is None:
+                    psub = await w.js.pull_subscribe_bind(durable=self.queue.durable, stream=self.queue.stream)
+                msgs = await psub.fetch(n, timeout=1.0)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                continue
+            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
+                # the stream or consumer is gone (a broker restarted without its storage)
+                self.log.warning("consumer_missing", queue=self.queue.stream, error=str(exc))
+                await asyncio.sleep(0.5)
+                try:
+                    await bus.ensure_work_queue(w.js, self.queue, w.settings)
+                except Exception:
+                    pass
+                psub = None
+                continue
+            except Exception as exc:
+                if w.stopping.is_set():
+                    break
+                self.log.warning("fetch_failed", queue=self.queue.stream, error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                if w.stopping.is_set():
+                    await _quiet(msg.nak())
+                    continue
+                self._start(msg)
+
+    def _start(self, msg: Msg) -> None:
+        try:
+            delivered = msg.metadata.num_delivered
+            queued_at = msg.metadata.timestamp.timestamp()
+            self.metrics.queue_wait_seconds.observe(max(0.0, time.time() - queued_at))
+        except Exception:
+            delivered = 1
+        try:
+            message = decode_as(msg.data, self.kind)
+        except PoisonMessage as exc:
+            self.metrics.tasks.labels("poison").inc()
+            request_id, reply_to = _best_effort_ids(msg.data)
+            self.log.error("poison_message", queue=self.queue.stream, error=str(exc), request_id=request_id)
+            asyncio.ensure_future(self._fail_poison(msg, exc, request_id, reply_to))
+            return
+        item = WorkItem(msg=msg, message=message, num_delivered=delivered, max_deliver=self.worker.settings.max_deliver)
+        self.in_flight.add(item)
+        self.metrics.in_flight.set(len(self.in_flight))
+        asyncio.ensure_future(self._run_handler(item))
+
+    async def _fail_poison(self, msg: Msg, exc: Exception, request_id, reply_to) -> None:
+        await _quiet(msg.term())
+        if isinstance(request_id, str) and isinstance(reply_to, str):
+            await self.worker.send_error(reply_to, request_id, exc)
+
+    async def _run_handler(self, item: WorkItem) -> None:
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            await self.handler(item)
+        except PdError as exc:
+            outcome = exc.code or exc.type
+            if exc.ack_action == "nak" and not item.is_last_delivery and not self.worker.stopping.is_set():
+                self.log.warning("task_retry", request_id=item.request_id, error=exc.message, delivery=item.num_delivered)
+                await item.nak(delay_s=0.5 * item.num_delivered)
+            else:
+                self.log.warning("task_failed", request_id=item.request_id, error=exc.message)
+                await self.worker.send_error(item.message.meta.reply_to, item.request_id, exc)
+                await (item.term() if exc.ack_action == "term" else item.ack())
+        except Exception as exc:
+            outcome = "error"
+            self.log.exception("task_crashed", request_id=item.request_id)
+            await self.worker.send_error(item.message.meta.reply_to, item.request_id, exc)
+            await item.ack()
+        finally:
+            self.in_flight.discard(item)
+            self.metrics.in_flight.set(len(self.in_flight))
+            self.metrics.tasks.labels(outcome).inc()
+            self.metrics.process_seconds.observe(time.perf_counter() - started)
+            self.room.set()
+
+    async def keepalive(self) -> None:
+        """Mark long-held items in progress every ``ack_wait / 3``."""
+        period = max(0.5, self.worker.settings.ack_wait_s / 3)
+        while not self.worker.stopping.is_set():
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for item in list(self.in_flight):
+                if not item.done and now - item.fetched_at >= period:
+                    await _quiet(item.msg.in_progress())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for in-flight items to finish, then nak the rest for another replica."""
+        end = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for item in list(self.in_flight):
+            await item.nak()

@@ -1,0 +1,114 @@
+"""The engine on its own thread, so model steps never block the event loop (acks,
+heartbeats and aborts keep flowing during a long prefill).
+
+The event loop talks to the engine only through :meth:`EngineLoop.call` (run a function on
+the engine thread between steps, get its result as an awaitable); the engine thread hands
+step outputs back with ``loop.call_soon_threadsafe``. One command queue, one owner: the
+engine needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.engine import LLMEngine, StepOutput
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` while there is work, and queued calls between steps.
+
+    Args:
+        engine: the engine (owned by this loop's thread from ``start()`` on).
+        loop: the asyncio loop that receives outputs.
+        on_outputs: called on the event loop with each non-empty list of step outputs.
+        on_step_error: called on the event loop with the request ids of a step that raised;
+            those requests have been aborted in the engine.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[StepOutput]], None],
+        on_step_error: Callable[[list[str], Exception], None],
+    ):
+        self.engine = engine
+        self.loop = loop
+        self.on_outputs = on_outputs
+        self.on_step_error = on_step_error
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.last_step_at = time.monotonic()
+        self.busy_seconds = 0.0
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._calls.put(None)
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread before its next step."""
+        fut = self.loop.create_future()
+        self._calls.put((fn, fut))
+        return fut
+
+    def _resolve(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+        def done() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self.loop.call_soon_threadsafe(done)
+
+    def _drain_calls(self, block: bool) -> None:
+        first = True
+        while True:
+            try:
+                item = self._calls.get(block=block and first, timeout=0.1 if block and first else None)
+            except queue.Empty:
+                return
+            first = False
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                self._resolve(fut, fn(self.engine))
+            except BaseException as exc:  # handed to the awaiting coroutine
+                self._resolve(fut, exc=exc)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain_calls(block=not engine.has_unfinished())
+            if self._stop.is_set() or not engine.has_unfinished():
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                log.exception("engine_step_failed")
+                ids = list(engine.sequences)
+                for request_id in ids:
+                    engine.abort(request_id)
+                self.loop.call_soon_threadsafe(self.on_step_error, ids, exc)
+                continue
+            self.busy_seconds += time.perf_counter() - started
+            self.last_step_at = time.monotonic()
+            if outputs:
+                self.loop.call_soon_threadsafe(self.on_outputs, outputs)

@@ -1,0 +1,213 @@
+"""What every pdserve worker process shares: the NATS connection, heartbeats, the abort
+broadcast, the probe server (``/metrics``, ``/healthz``, ``/readyz``), signal handling and
+graceful shutdown.
+
+A stage subclasses :class:`Worker`, loads what it needs in :meth:`Worker.setup`, starts its
+consumers in :meth:`Worker.serve`, and reports its load in :meth:`Worker.heartbeat_fields`.
+Shutdown on SIGTERM/SIGINT: stop fetching new work → let in-flight work finish (up to
+``drain_timeout_s``) → nak what is left so another replica takes it at once → drain the
+NATS connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections import OrderedDict
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from shared import bus
+from shared.config import Settings
+from shared.logging import configure_logging, get_logger
+from shared.messages import Abort, ErrorEvent, Heartbeat, Message
+from shared.metrics import ProbeServer
+from shared.models import served_model_name
+from shared.subjects import Protocol
+
+log = get_logger(__name__)
+
+
+class RecentSet:
+    """Ids seen in the last ``ttl_s`` seconds (aborted requests), bounded in size."""
+
+    def __init__(self, ttl_s: float = 600.0, max_items: int = 100_000):
+        self.ttl_s = ttl_s
+        self.max_items = max_items
+        self._items: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._items[key] = time.monotonic()
+        self._items.move_to_end(key)
+        self._expire()
+
+    def __contains__(self, key: str) -> bool:
+        self._expire()
+        return key in self._items
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._items:
+            key, at = next(iter(self._items.items()))
+            if now - at <= self.ttl_s and len(self._items) <= self.max_items:
+                break
+            self._items.popitem(last=False)
+
+
+class Worker:
+    """Base of the stage workers. Subclasses set ``stage`` and override the hooks."""
+
+    stage: str = "worker"
+    drain_timeout_s: float = 20.0
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.instance_id = settings.instance_id or f"{self.stage}-{uuid.uuid4().hex[:8]}"
+        self.protocol = Protocol(settings.namespace)
+        self.model_name = served_model_name(settings)
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+        self.aborted = RecentSet()
+        self.ready = False
+        self.stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._probe: ProbeServer | None = None
+        self.log = get_logger(self.stage)
+
+    # --- hooks ------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Load models/tokenizers (blocking work in threads). Runs before ``ready``."""
+
+    async def serve(self) -> None:
+        """Start consumers and subscriptions. Returns once they run."""
+
+    async def on_abort(self, abort: Abort) -> None:
+        """Drop all work on ``abort.request_id``."""
+
+    async def before_drain(self) -> None:
+        """Stop taking work; finish or hand back in-flight work (nak)."""
+
+    def heartbeat_fields(self) -> dict:
+        """Extra Heartbeat fields: ``num_running``, ``num_waiting``, ``capacity``, ``inbox``."""
+        return {}
+
+    # --- helpers for subclasses ---------------------------------------------------------------
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        return task
+
+    async def send_error(self, reply_to: str, request_id: str, exc: Exception) -> None:
+        """Report a failed request to its gateway as an ErrorEvent (OpenAI fields)."""
+        from shared.errors import PdError
+
+        if isinstance(exc, PdError):
+            event = ErrorEvent(request_id=request_id, status=exc.status, message=exc.message, type=exc.type,
+                               param=exc.param, code=exc.code)
+        else:
+            event = ErrorEvent(request_id=request_id, status=500, message=f"{self.stage} failed: {exc}",
+                               type="server_error", code="internal_error")
+        await self.publish(reply_to, event)
+
+    async def publish(self, subject: str, message: Message) -> None:
+        try:
+            await bus.publish_core(self.nc, subject, message)
+        except Exception as exc:  # a lost core message is caught by the gateway's deadlines
+            self.log.warning("publish_failed", subject=subject, error=str(exc))
+
+    def post(self, subject: str, message: Message) -> None:
+        """Queue a core publish from synchronous code; messages leave in the order posted."""
+        self._outbox.put_nowait((subject, message))
+
+    async def _outbox_loop(self) -> None:
+        while True:
+            subject, message = await self._outbox.get()
+            await self.publish(subject, message)
+
+    # --- life cycle ---------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        subject = self.protocol.heartbeat_of(self.stage)
+        while not self.stopping.is_set():
+            hb = Heartbeat(
+                stage=self.stage,
+                instance_id=self.instance_id,
+                model=self.model_name,
+                sent_at=time.time(),
+                ready=self.ready,
+                metrics_port=self._probe.port if self._probe else 0,
+                **self.heartbeat_fields(),
+            )
+            if self.nc is not None and self.nc.is_connected:
+                await self.publish(subject, hb)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), self.settings.heartbeat_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _on_control(self, message: Message) -> None:
+        if isinstance(message, Abort):
+            self.aborted.add(message.request_id)
+            await self.on_abort(message)
+
+    async def start(self) -> None:
+        s = self.settings
+        configure_logging(self.stage, self.instance_id, s.log_level, s.log_json)
+        self._probe = ProbeServer(s.metrics_host, s.metrics_port, lambda: self.ready and bool(self.nc and self.nc.is_connected)).start()
+        self.log.info("starting", metrics_port=self._probe.port, nats=s.nats_url, namespace=s.namespace)
+        self.nc = await bus.connect(s, f"pdserve-{self.instance_id}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_all_queues(self.js, self.protocol, s)
+        await bus.subscribe_messages(self.nc, self.protocol.abort, self._on_control)
+        self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.spawn(self._outbox_loop(), "outbox")
+        await self.setup()
+        await self.serve()
+        self.ready = True
+        self.log.info("ready")
+
+    async def stop(self) -> None:
+        if self.stopping.is_set():
+            return
+        self.log.info("stopping")
+        self.ready = False
+        self.stopping.set()
+        try:
+            await asyncio.wait_for(self.before_drain(), self.drain_timeout_s)
+        except asyncio.TimeoutError:
+            self.log.warning("drain_timeout")
+        flush_until = time.monotonic() + 2.0
+        while not self._outbox.empty() and time.monotonic() < flush_until:
+            await asyncio.sleep(0.01)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.nc is not None:
+            await bus.close(self.nc)
+        if self._probe:
+            self._probe.stop()
+        self.log.info("stopped")
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await self.start()
+            await stop.wait()
+        finally:
+            await self.stop()
+
+
+def main(worker_cls: type[Worker]) -> None:
+    """Entry point of ``python -m services.<stage>``."""
+    settings = Settings.from_env()
+    try:
+        asyncio.run(worker_cls(settings).run())
+    except KeyboardInterrupt:
+        pass

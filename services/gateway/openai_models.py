@@ -1,0 +1,224 @@
+"""OpenAI-compatible request bodies (pydantic, at the HTTP edge) and their translation into
+pipeline SamplingParams.
+
+Every parameter is either honoured or rejected with a 400 that names it: unknown fields are
+refused (``extra="forbid"``), and known parameters pdserve does not implement yet (tools,
+response_format, ...) get a message that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+#: Parameters clients send that pdserve recognises but does not implement: a clear 400.
+NOT_IMPLEMENTED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "response_format": "response_format (JSON mode, structured outputs) is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of is not supported; use n",
+    "reasoning_effort": "reasoning_effort is not supported",
+}
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Base):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _SamplingFields(_Base):
+    """Parameters shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: Probability | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list):
+            if len(v) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+            if any(not s for s in v):
+                raise ValueError("stop strings must not be empty")
+        elif v == "":
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        for key, bias in v.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in NOT_IMPLEMENTED.items():
+                if key in data and data[key] is not None:
+                    raise InvalidRequest(f"'{key}': {why} by this server", param=key, code="unsupported_parameter")
+        return data
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def logit_bias_ids(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer keys.
+
+        Raises:
+            InvalidRequest: a token id outside the vocabulary.
+        """
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            token = int(key)
+            if not 0 <= token < vocab_size:
+                raise InvalidRequest(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                                     param="logit_bias")
+            out[token] = bias
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    # accepted and ignored by design: they do not change the output
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequest("max_tokens and max_completion_tokens disagree; send one", param="max_completion_tokens")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if isinstance(v[0], list) and any(len(p) == 0 for p in v):
+                raise ValueError("token-id prompts must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+def validation_error_to_invalid(exc: ValidationError) -> InvalidRequest:
+    """The first problem of a pydantic error as an InvalidRequest naming the parameter."""
+    err = exc.errors()[0]
+    param = ""
+    for part in err.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "list[str]", "list[int]", "list[list[int]]"):
+            continue  # pydantic's name for a union member, not a field
+        else:
+            param += ("." if param else "") + str(part)
+    param = param or None
+    if err.get("type") == "extra_forbidden":
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param,
+                              code="unrecognized_parameter")
+    if err.get("type") == "missing":
+        return InvalidRequest(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")

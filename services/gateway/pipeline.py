@@ -1,0 +1,101 @@
+"""The gateway's side of the bus: submitting requests, receiving their events, aborting,
+and knowing which stages are alive.
+
+Each gateway instance has one inbox subject (``<ns>.gateway.<instance>.events``). A request
+is registered (its event queue exists) *before* its TokenizeTask is published, so no event
+can arrive unrouted; it is unregistered in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from nats.aio.client import Client as NATS
+
+from shared import bus
+from shared.config import Settings
+from shared.errors import ServiceUnavailable
+from shared.logging import get_logger
+from shared.messages import Abort, Heartbeat, Message, TokenizeTask
+from shared.registry import WorkerRegistry
+from shared.subjects import Protocol
+
+log = get_logger(__name__)
+
+#: Stages that must have a live, ready worker for the gateway to accept requests.
+PIPELINE_STAGES = ("tokenizer", "prefill", "decode", "postfilter")
+
+
+class PipelineClient:
+    """NATS connection, inbox routing and the worker registry of one gateway."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.protocol = Protocol(settings.namespace)
+        self.instance_id = settings.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
+        self.inbox = self.protocol.gateway_inbox(self.instance_id)
+        self.registry = WorkerRegistry(settings.heartbeat_timeout_s)
+        self.nc: NATS | None = None
+        self.js = None
+        self._routes: dict[str, asyncio.Queue] = {}
+
+    async def start(self) -> None:
+        self.nc = await bus.connect(self.settings, f"pdserve-{self.instance_id}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_all_queues(self.js, self.protocol, self.settings)
+        await bus.subscribe_messages(self.nc, self.inbox, self._on_event)
+        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, self._on_heartbeat)
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            await bus.close(self.nc)
+
+    async def _on_event(self, message: Message) -> None:
+        queue = self._routes.get(getattr(message, "request_id", ""))
+        if queue is not None:
+            queue.put_nowait(message)
+
+    async def _on_heartbeat(self, message: Message) -> None:
+        if isinstance(message, Heartbeat):
+            self.registry.observe(message)
+
+    # --- readiness ------------------------------------------------------------------------
+    def missing_stages(self) -> list[str]:
+        """Stages with no live, ready worker now."""
+        return [stage for stage in PIPELINE_STAGES if not self.registry.live(stage)]
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def check_ready(self) -> None:
+        """Raises ServiceUnavailable naming what is missing."""
+        if not self.is_connected:
+            raise ServiceUnavailable("the gateway is not connected to NATS")
+        missing = self.missing_stages()
+        if missing:
+            raise ServiceUnavailable(f"no live worker for stage(s): {', '.join(missing)}")
+
+    # --- requests -------------------------------------------------------------------------
+    def register(self, request_id: str, queue: asyncio.Queue) -> None:
+        self._routes[request_id] = queue
+
+    def unregister(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    async def submit(self, task: TokenizeTask) -> None:
+        """Queue a request for the tokenizer (durable once this returns).
+
+        Raises:
+            ServiceUnavailable: JetStream did not take it.
+        """
+        await bus.publish_task(self.js, self.protocol.tokenize, task, task.meta.request_id,
+                               headers=task.meta.headers or None)
+
+    async def abort(self, request_id: str, reason: str) -> None:
+        """Tell every stage to drop ``request_id`` (best effort)."""
+        try:
+            await bus.publish_core(self.nc, self.protocol.abort, Abort(request_id=request_id, reason=reason))
+        except Exception as exc:
+            log.warning("abort_publish_failed", request_id=request_id, error=str(exc))

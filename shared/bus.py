@@ -1,0 +1,224 @@
+"""NATS plumbing: connecting, declaring the work-queue streams and their durable pull
+consumers, publishing work items idempotently, and core-NATS publish/subscribe.
+
+Work items (TokenizeTask, PrefillTask, DecodeTask) ride JetStream work-queue streams: a
+message is removed once acked, every replica of a stage pulls from the one durable consumer
+(``<stage>-workers``), acks are explicit, unacked work is redelivered after ``ack_wait``, up to
+``max_deliver`` times, and a re-published item with the same ``Nats-Msg-Id`` inside the
+duplicate window is dropped by the server. Per-token traffic (TokenChunk, TextChunk) and
+control messages (Abort, Heartbeat, Accepted, ErrorEvent) use core NATS: see
+``docs/decisions.md`` for the measurement behind that choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import NotFoundError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from shared import messages
+from shared.config import Settings
+from shared.errors import ServiceUnavailable
+from shared.logging import get_logger
+from shared.subjects import Protocol, WorkQueue
+
+log = get_logger(__name__)
+
+#: Seconds JetStream remembers a Nats-Msg-Id for de-duplication.
+DUPLICATE_WINDOW_S = 120.0
+#: Oldest a queued work item may get before the stream drops it (requests have far
+#: shorter deadlines; this only bounds what a dead deployment leaves behind).
+MAX_AGE_S = 3600.0
+#: Bound on queued work items per stream; publishing beyond it fails (back-pressure).
+MAX_MSGS = 100_000
+
+
+async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int = -1) -> NATS:
+    """Connect to ``settings.nats_url``; reconnects forever by default.
+
+    Raises:
+        ServiceUnavailable: no NATS server answered within a few seconds.
+    """
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    try:
+        return await nats.connect(
+            settings.nats_url,
+            name=name,
+            connect_timeout=3,
+            allow_reconnect=True,
+            max_reconnect_attempts=max_reconnect_attempts,
+            reconnect_time_wait=0.5,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    except Exception as exc:  # nats raises several unrelated types here
+        raise ServiceUnavailable(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
+
+
+def stream_config(queue: WorkQueue) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=queue.stream,
+        subjects=[queue.subject],
+        retention=js_api.RetentionPolicy.WORK_QUEUE,
+        storage=js_api.StorageType.FILE,
+        discard=js_api.DiscardPolicy.NEW,
+        max_msgs=MAX_MSGS,
+        max_age=MAX_AGE_S,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+
+
+def consumer_config(queue: WorkQueue, settings: Settings) -> js_api.ConsumerConfig:
+    return js_api.ConsumerConfig(
+        durable_name=queue.durable,
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=10_000,
+        max_waiting=512,
+        filter_subject=queue.subject,
+        deliver_policy=js_api.DeliverPolicy.ALL,
+    )
+
+
+async def ensure_work_queue(js: JetStreamContext, queue: WorkQueue, settings: Settings) -> None:
+    """Create (or bring up to date) a work-queue stream and its durable consumer. Idempotent;
+    every process that uses a queue calls it at start, so start-up order does not matter."""
+    config = stream_config(queue)
+    try:
+        await js.stream_info(queue.stream)
+        await js.update_stream(config)
+    except NotFoundError:
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.stream_info(queue.stream)  # another process created it meanwhile
+    cconfig = consumer_config(queue, settings)
+    try:
+        await js.consumer_info(queue.stream, queue.durable)
+    except NotFoundError:
+        try:
+            await js.add_consumer(queue.stream, cconfig)
+        except nats.js.errors.BadRequestError:
+            await js.consumer_info(queue.stream, queue.durable)
+
+
+async def ensure_all_queues(js: JetStreamContext, protocol: Protocol, settings: Settings) -> None:
+    for queue in protocol.work_queues:
+        await ensure_work_queue(js, queue, settings)
+
+
+async def delete_namespace(js: JetStreamContext, protocol: Protocol) -> None:
+    """Delete every stream of a namespace (tests, ``pdserve down --purge``)."""
+    for queue in protocol.work_queues:
+        try:
+            await js.delete_stream(queue.stream)
+        except NotFoundError:
+            pass
+
+
+async def publish_task(
+    js: JetStreamContext,
+    queue: WorkQueue,
+    message: messages.Message,
+    request_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 5.0,
+) -> js_api.PubAck:
+    """Publish a work item and wait until JetStream has stored it.
+
+    The ``Nats-Msg-Id`` is ``queue.msg_id(request_id)``, so retrying (here, or after a
+    redelivery of the task that produced this one) never queues the work twice.
+
+    Raises:
+        ServiceUnavailable: JetStream did not take the message after a few tries.
+    """
+    payload = messages.encode(message)
+    hdrs = {"Nats-Msg-Id": queue.msg_id(request_id), **(headers or {})}
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                                           nats.errors.ConnectionReconnectingError)),
+            stop=stop_after_attempt(4),
+            wait=wait_random_exponential(multiplier=0.1, max=1.0),
+            reraise=True,
+        ):
+            with attempt:
+                return await js.publish(queue.subject, payload, timeout=timeout_s, headers=hdrs)
+    except Exception as exc:
+        raise ServiceUnavailable(f"could not queue work for {queue.stage}: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+async def publish_core(nc: NATS, subject: str, message: messages.Message) -> None:
+    """Fire-and-forget publish on core NATS (no persistence, no ack)."""
+    await nc.publish(subject, messages.encode(message))
+
+
+async def subscribe_messages(
+    nc: NATS,
+    subject: str,
+    handler: Callable[[messages.Message], Awaitable[None]],
+    *,
+    queue: str = "",
+    on_poison: Callable[[Exception, bytes], None] | None = None,
+):
+    """Subscribe to a core subject and call ``handler`` with each decoded message. An
+    undecodable payload goes to ``on_poison`` (logged by default); the subscription lives on."""
+
+    async def cb(msg) -> None:
+        try:
+            decoded = messages.decode(msg.data)
+        except Exception as exc:
+            if on_poison:
+                on_poison(exc, msg.data)
+            else:
+                log.warning("poison_message", subject=msg.subject, error=str(exc))
+            return
+        await handler(decoded)
+
+    return await nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=1_000_000,
+                              pending_bytes_limit=1 << 30)
+
+
+async def wait_connected(nc: NATS, timeout_s: float) -> bool:
+    """True once ``nc`` is connected (it may be reconnecting after a broker restart)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not nc.is_connected:
+        if loop.time() > end:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def close(nc: NATS) -> None:
+    """Flush what is buffered (bounded) and close. Subscriptions are not drained: work
+    items still held are nak'ed by their workers before this, or redelivered by JetStream."""
+    try:
+        await asyncio.wait_for(nc.flush(), 1.0)
+    except Exception:
+        pass
+    try:
+        await asyncio.wait_for(nc.close(), 2.0)
+    except Exception:
+        pass

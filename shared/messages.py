@@ -1,0 +1,299 @@
+"""Every message that crosses a process boundary, in one place.
+
+Messages are frozen msgspec structs, tagged (``"type"`` field) and encoded as MessagePack.
+They form one union, :data:`Message`; :func:`decode` turns bytes back into a struct and
+raises :class:`~shared.errors.PoisonMessage` on anything that is not a known, well-formed
+message (an unknown tag, a missing field, random bytes), so a worker can terminate it instead
+of redelivering it forever.
+
+Life cycle of a request (see ``docs/protocol.md`` for subjects and ack policies):
+
+1. gateway → ``TokenizeTask`` (JetStream) → tokenizer
+2. tokenizer → ``Accepted`` (core, to the gateway) and ``PrefillTask`` (JetStream) → prefill
+3. prefill → KV blocks into the KV store; first token as ``TokenChunk`` (core) → postfilter;
+   ``DecodeTask`` carrying a ``KVHandle`` (JetStream) → decode
+4. decode → ``TokenChunk`` per step (core) → postfilter
+5. postfilter → ``TextChunk`` (core) → gateway → SSE to the client
+6. anyone → ``Abort`` (core broadcast) when a client goes away, a stop string is hit or a
+   deadline passes; any stage → ``ErrorEvent`` (core, to the gateway) when it fails a request.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from shared.errors import PoisonMessage
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="kind", omit_defaults=True):
+    """Base of every top-level message: the ``kind`` field is its tag."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How to pick tokens. Validated at the gateway; the engine trusts these values.
+
+    ``temperature`` 0 is greedy. ``top_k`` None and ``top_p`` 1.0 and ``min_p`` 0.0 are off.
+    ``seed`` is always set by the gateway (a random one when the client gave none), so every
+    request is reproducible and can be regenerated token for token after a worker dies.
+    ``max_tokens`` counts output tokens. ``logprobs``: None = off, k = the chosen token's
+    log-probability plus the k most likely alternatives.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What every stage knows about a request.
+
+    ``reply_to`` is the gateway instance's inbox subject; ``deadline_at`` is unix seconds
+    after which every stage drops the request; ``cache_salt`` separates tenants' prefix
+    caches; ``headers`` carries trace context.
+    """
+
+    request_id: str
+    reply_to: str
+    model: str
+    created_at: float
+    deadline_at: float
+    cache_salt: str = ""
+    headers: dict[str, str] = {}
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class TokenizeTask(_Message, tag="tokenize"):
+    """Gateway → tokenizer. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
+
+    meta: RequestMeta
+    sampling: SamplingParams
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    max_tokens_is_default: bool = False
+
+
+class PrefillTask(_Message, tag="prefill"):
+    """Tokenizer → prefill. ``block_hashes[i]`` is the chained SHA-256 of full block i."""
+
+    meta: RequestMeta
+    sampling: SamplingParams
+    prompt_token_ids: list[int]
+    block_hashes: list[bytes]
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """Shape of one staged block: ``[num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim]``."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+class KVHandle(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Where decode finds a prompt's KV cache.
+
+    ``block_hashes`` name the full blocks (content-addressed, shared across requests);
+    ``tail_key`` names the request-scoped last partial block (None when the prompt fills
+    whole blocks); ``num_tokens`` is how many prompt tokens the blocks cover.
+    """
+
+    store: str
+    layout: KVLayout
+    block_hashes: list[bytes]
+    num_tokens: int
+    tail_key: str | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One output token's log-probability and its ``top`` alternatives ((token_id, logprob))."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class DecodeTask(_Message, tag="decode"):
+    """Prefill → decode. ``output_token_ids`` holds the tokens already sampled (at least the
+    first one, from prefill); decode continues after them and streams to ``postfilter``."""
+
+    meta: RequestMeta
+    sampling: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    postfilter: str
+    kv: KVHandle | None = None
+    num_cached_tokens: int = 0
+
+
+class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the postfilter needs to know about a request; sent with its first token chunk."""
+
+    reply_to: str
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    deadline_at: float = 0.0
+
+
+class TokenChunk(_Message, tag="tokens"):
+    """Prefill/decode → postfilter. ``token_ids`` are output tokens ``index, index+1, ...``.
+
+    ``spec`` is present exactly when ``index`` is 0. ``finish_reason`` ("stop" | "length")
+    is set on the request's last chunk.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    spec: StreamSpec | None = None
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    worker: str = ""
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TextChunk(_Message, tag="text"):
+    """Postfilter → gateway. ``text`` starts at character ``text_offset`` of the output, so a
+    gateway can drop text it already sent when a chunk is re-sent after a failover."""
+
+    request_id: str
+    text: str
+    text_offset: int
+    num_tokens: int
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    token_ids: list[int] = []
+    tokens: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Accepted(_Message, tag="accepted"):
+    """Tokenizer → gateway: the prompt is valid and queued for prefill."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    prompt_token_ids: list[int] = []
+
+
+class ErrorEvent(_Message, tag="error"):
+    """Any stage → gateway: the request failed. Fields map onto OpenAI's error object."""
+
+    request_id: str
+    status: int
+    message: str
+    type: str = "server_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class Abort(_Message, tag="abort"):
+    """Broadcast: stop all work on ``request_id`` and release its KV.
+
+    ``reason``: "client_disconnected" | "stop" | "deadline" | "error".
+    """
+
+    request_id: str
+    reason: str
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    """Every worker, every ``heartbeat_interval_s``. ``inbox`` is the worker's own subject
+    (postfilter instances receive token streams there). ``ready`` is false until the model or
+    tokenizer is loaded."""
+
+    stage: str
+    instance_id: str
+    model: str
+    sent_at: float
+    ready: bool = True
+    inbox: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    capacity: int = 0
+    metrics_port: int = 0
+
+
+Message = Union[
+    TokenizeTask,
+    PrefillTask,
+    DecodeTask,
+    TokenChunk,
+    TextChunk,
+    Accepted,
+    ErrorEvent,
+    Abort,
+    Heartbeat,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """MessagePack bytes of one message (its tag included)."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """Decode bytes into a message.
+
+    Raises:
+        PoisonMessage: the bytes are not a well-formed message of a known type.
+    """
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise PoisonMessage(f"undecodable message ({len(data)} bytes): {exc}") from None
+
+
+def decode_as(data: bytes, kind: type[msgspec.Struct]) -> Message:
+    """Decode and check the message is a ``kind``.
+
+    Raises:
+        PoisonMessage: undecodable, or a different message type than expected.
+    """
+    message = decode(data)
+    if not isinstance(message, kind):
+        raise PoisonMessage(f"expected {kind.__name__}, got {type(message).__name__}")
+    return message

@@ -1,0 +1,124 @@
+"""Prometheus metrics and the small probe server every worker runs (``/metrics``,
+``/healthz``, ``/readyz``).
+
+Names follow ``pd_<stage>_<quantity>_<unit>``. Histograms of latency are in seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+#: Latency buckets from 1 ms to 2 min, for TTFT/ITL/E2E and stage timings.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256)
+
+
+@dataclass(frozen=True)
+class StageMetrics:
+    """What every stage reports about its work items."""
+
+    tasks: Counter  # labels: outcome
+    queue_wait_seconds: Histogram
+    process_seconds: Histogram
+    batch_size: Histogram
+    in_flight: Gauge
+
+
+@functools.cache
+def stage_metrics(stage: str) -> StageMetrics:
+    p = f"pd_{stage}"
+    return StageMetrics(
+        tasks=Counter(f"{p}_tasks_total", f"{stage} work items by outcome", ["outcome"]),
+        queue_wait_seconds=Histogram(
+            f"{p}_queue_wait_seconds", f"time a {stage} work item waited before a worker took it",
+            buckets=LATENCY_BUCKETS,
+        ),
+        process_seconds=Histogram(
+            f"{p}_process_seconds", f"time a {stage} worker spent on one work item", buckets=LATENCY_BUCKETS
+        ),
+        batch_size=Histogram(f"{p}_batch_size", f"sequences per {stage} engine step", buckets=BATCH_BUCKETS),
+        in_flight=Gauge(f"{p}_in_flight", f"work items a {stage} worker holds now"),
+    )
+
+
+@functools.cache
+def kv_metrics() -> dict:
+    return {
+        "put_bytes": Counter("pd_kv_put_bytes_total", "bytes written to the KV store"),
+        "put_seconds": Counter("pd_kv_put_seconds_total", "seconds spent writing to the KV store"),
+        "get_bytes": Counter("pd_kv_get_bytes_total", "bytes read from the KV store"),
+        "get_seconds": Counter("pd_kv_get_seconds_total", "seconds spent reading from the KV store"),
+        "staged_bytes": Gauge("pd_kv_staged_bytes", "bytes staged in the KV store now", ["kind"]),
+        "prefix_hit_tokens": Counter(
+            "pd_prefix_cache_hit_tokens_total", "prompt tokens whose KV was reused", ["stage", "source"]
+        ),
+        "prefix_query_tokens": Counter(
+            "pd_prefix_cache_query_tokens_total", "prompt tokens looked up in the prefix cache", ["stage"]
+        ),
+    }
+
+
+@functools.cache
+def gateway_metrics() -> dict:
+    return {
+        "requests": Counter("pd_gateway_requests_total", "requests by endpoint and outcome", ["endpoint", "outcome"]),
+        "in_flight": Gauge("pd_gateway_requests_in_flight", "requests being served now"),
+        "ttft": Histogram("pd_gateway_ttft_seconds", "time to first content token", buckets=LATENCY_BUCKETS),
+        "itl": Histogram("pd_gateway_itl_seconds", "time between content chunks", buckets=LATENCY_BUCKETS),
+        "e2e": Histogram("pd_gateway_e2e_seconds", "request end-to-end latency", buckets=LATENCY_BUCKETS),
+    }
+
+
+class ProbeServer:
+    """``/metrics`` (Prometheus text), ``/healthz`` (200 while the process runs) and
+    ``/readyz`` (200 when ``is_ready()``, else 503) on a daemon thread.
+
+    Args:
+        host, port: where to listen; port 0 picks a free one (see :attr:`port`).
+        is_ready: called per ``/readyz`` request.
+    """
+
+    def __init__(self, host: str, port: int, is_ready: Callable[[], bool]):
+        ready = is_ready
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path == "/metrics":
+                    body, status, ctype = generate_latest(), 200, CONTENT_TYPE_LATEST
+                elif self.path == "/healthz":
+                    body, status, ctype = b"ok\n", 200, "text/plain"
+                elif self.path == "/readyz":
+                    ok = ready()
+                    body, status, ctype = (b"ready\n", 200, "text/plain") if ok else (b"not ready\n", 503, "text/plain")
+                else:
+                    body, status, ctype = b"not found\n", 404, "text/plain"
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="probe", daemon=True)
+
+    def start(self) -> ProbeServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,90 @@
+"""Every NATS subject, JetStream stream and durable consumer, named in one module.
+
+Subjects are lowercase dotted ``<ns>.<stage>.<kind>``; streams are UPPER_SNAKE; durables
+are ``<stage>-workers``. ``<ns>`` is ``PD_NAMESPACE`` (default ``pd``), so that deployments
+and test runs sharing one NATS server never see each other's traffic.
+``docs/protocol.md`` has the same table in prose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = ("gateway", "tokenizer", "prefill", "decode", "postfilter")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkQueue:
+    """A JetStream work-queue stream with one durable pull consumer shared by all replicas."""
+
+    stage: str
+    subject: str
+    stream: str
+    durable: str
+
+    def msg_id(self, request_id: str) -> str:
+        """``Nats-Msg-Id`` of a request's work item here: JetStream drops a duplicate
+        published within the stream's duplicate window, so a retried hand-off is idempotent."""
+        return f"{self.stage}:{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    """Names for one namespace."""
+
+    namespace: str = "pd"
+
+    def _queue(self, stage: str) -> WorkQueue:
+        ns = self.namespace
+        return WorkQueue(
+            stage=stage,
+            subject=f"{ns}.{stage}.tasks",
+            stream=f"{ns.upper().replace('-', '_')}_{stage.upper()}_TASKS",
+            durable=f"{stage}-workers",
+        )
+
+    @property
+    def tokenize(self) -> WorkQueue:
+        """TokenizeTask: gateway → tokenizer."""
+        return self._queue("tokenizer")
+
+    @property
+    def prefill(self) -> WorkQueue:
+        """PrefillTask: tokenizer → prefill."""
+        return self._queue("prefill")
+
+    @property
+    def decode(self) -> WorkQueue:
+        """DecodeTask: prefill → decode."""
+        return self._queue("decode")
+
+    @property
+    def work_queues(self) -> tuple[WorkQueue, ...]:
+        return (self.tokenize, self.prefill, self.decode)
+
+    def postfilter_inbox(self, instance_id: str) -> str:
+        """Core NATS: TokenChunk stream of the requests assigned to one postfilter instance."""
+        return f"{self.namespace}.postfilter.{instance_id}.tokens"
+
+    def gateway_inbox(self, instance_id: str) -> str:
+        """Core NATS: Accepted / TextChunk / ErrorEvent for one gateway instance's requests."""
+        return f"{self.namespace}.gateway.{instance_id}.events"
+
+    @property
+    def abort(self) -> str:
+        """Core NATS broadcast: Abort, seen by every worker of every stage."""
+        return f"{self.namespace}.control.abort"
+
+    @property
+    def heartbeat(self) -> str:
+        """Core NATS: Heartbeat of every worker (``<ns>.heartbeat.<stage>``)."""
+        return f"{self.namespace}.heartbeat.*"
+
+    def heartbeat_of(self, stage: str) -> str:
+        return f"{self.namespace}.heartbeat.{stage}"
+
+    @property
+    def token_stream_js(self) -> str:
+        """JetStream subject used only by the token-transport benchmark (core NATS is what
+        the pipeline uses; see docs/decisions.md)."""
+        return f"{self.namespace}.bench.tokens"

@@ -1,0 +1,73 @@
+"""Start and stop a real pdserve deployment (separate OS processes, real NATS) for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+
+from services import launcher
+from shared.config import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] | None = None, **overrides):
+    """A running deployment; yields the launcher's Deployment (``.url``, ``.procs``)."""
+    fields = dict(
+        model=model,
+        namespace=namespace,
+        gateway_port=free_port(),
+        cache_dir=str(tmp / "cache"),
+        log_json=True,
+        heartbeat_interval_s=0.5,
+        heartbeat_timeout_s=3.0,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    fields.update(overrides)
+    settings = Settings.from_env({}, **fields)
+    reps = {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1}
+    reps.update(replicas or {})
+    dep = launcher.up(settings, reps, detach=False, state_dir=tmp / f"state-{namespace}", ready_timeout_s=300,
+                      quiet=True)
+    try:
+        yield dep
+    finally:
+        launcher.stop_all(dep)
+        cleanup(settings)
+
+
+def cleanup(settings: Settings) -> None:
+    """Delete the namespace's streams and staged KV."""
+    from shared import bus
+    from shared.kv import open_store
+    from shared.subjects import Protocol
+
+    async def drop() -> None:
+        nc = await bus.connect(settings, "pdserve-test-cleanup", max_reconnect_attempts=0)
+        await bus.delete_namespace(nc.jetstream(), Protocol(settings.namespace))
+        await nc.close()
+
+    try:
+        asyncio.run(drop())
+    except Exception:
+        pass
+    try:
+        store = open_store(settings)
+        store.clear()
+        store.close()
+    except Exception:
+        pass
+    if settings.kv_store == "shm":
+        shutil.rmtree(Path(settings.shm_dir) / f"pdserve-{settings.namespace}", ignore_errors=True)
+
+
+def log_tail(dep, name_prefix: str, chars: int = 4000) -> str:
+    return "\n".join(p.log_path.read_text(errors="replace")[-chars:] for p in dep.procs if p.name.startswith(name_prefix))

@@ -1,0 +1,180 @@
+"""Correctness anchor: greedy float32 output is token-identical to transformers' generate,
+for mixed prompt lengths, sequences joining mid-batch, chunked prefill, preemption, prefix
+cache hits and KV moved through the store."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine, eos_ids_of
+from shared.messages import SamplingParams
+
+
+def reference(ref_model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    # no eos: an id past the vocabulary, which greedy decoding never picks
+    eos_ids = sorted(eos) or [ref_model.config.vocab_size + 1]
+    with torch.inference_mode():
+        out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
+    return out[0, len(prompt):].tolist()
+
+
+def make_engine(model, **overrides) -> LLMEngine:
+    cfg = dict(model_id="tiny", block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256)
+    cfg.update(overrides)
+    return LLMEngine(model, EngineConfig(**cfg), eos_token_ids=eos_ids_of(model))
+
+
+def prompts_of(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def test_mixed_batch_matches_generate(tiny_model):
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompts = prompts_of([1, 3, 7, 16, 33], model.config.vocab_size)
+    engine = make_engine(model)
+    seqs = engine.generate(prompts, GREEDY)
+    for p, s in zip(prompts, seqs):
+        assert s.output_token_ids == reference(ref, p, 12, eos)
+    # every sequence finished and released its blocks (cached ones stay findable)
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_sequences_join_and_leave_mid_batch(tiny_model):
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompts = prompts_of([5, 9, 2, 20, 11, 6], model.config.vocab_size, seed=1)
+    lengths = [3, 12, 7, 5, 10, 1]
+    engine = make_engine(model)
+    seqs = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and steps % 2 == 0:  # a new request every other step
+            i, p = pending.pop(0)
+            seqs[i] = engine.add_request(f"r{i}", p, SamplingParams(max_tokens=lengths[i], temperature=0.0))
+        engine.step()
+        steps += 1
+    for i, p in enumerate(prompts):
+        assert seqs[i].output_token_ids == reference(ref, p, lengths[i], eos), i
+
+
+def test_chunked_prefill_matches(tiny_model):
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompts = prompts_of([40, 23, 3], model.config.vocab_size, seed=2)
+    engine = make_engine(model, max_num_batched_tokens=8)  # every prompt longer than 8 is chunked
+    seqs = engine.generate(prompts, GREEDY)
+    for p, s in zip(prompts, seqs):
+        assert s.output_token_ids == reference(ref, p, 12, eos)
+    assert engine.stats.num_steps > 40 // 8
+
+
+def test_preemption_by_recompute_matches(tiny_model):
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompts = prompts_of([10, 12, 9, 11], model.config.vocab_size, seed=3)
+    sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model, num_kv_blocks=16)  # 64 token slots for 4 × ~27 tokens
+    seqs = engine.generate(prompts, sampling)
+    assert engine.scheduler.num_preemptions > 0
+    for p, s in zip(prompts, seqs):
+        ref_out = reference(ref, p, 16, set())
+        assert s.output_token_ids == ref_out
+
+
+def test_prefix_cache_hit_matches_and_skips_work(tiny_model):
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    vocab = model.config.vocab_size
+    shared = prompts_of([24], vocab, seed=4)[0]
+    a, b = shared + [5, 6, 7], shared + [9, 10]
+    engine = make_engine(model)
+    (sa,) = engine.generate([a], GREEDY)
+    before = engine.stats.num_prefill_tokens
+    (sb,) = engine.generate([b], GREEDY)
+    assert sb.num_cached_tokens == 24  # 6 full blocks of 4
+    assert engine.stats.num_prefill_tokens - before == len(b) - 24
+    assert sa.output_token_ids == reference(ref, a, 12, eos)
+    assert sb.output_token_ids == reference(ref, b, 12, eos)
+
+
+def test_kv_handoff_between_engines_matches(tiny_model):
+    """Prefill on one engine, export the prompt KV, admit it on another: same tokens."""
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompt = prompts_of([22], model.config.vocab_size, seed=5)[0]
+    prefill = make_engine(model)
+    decode = make_engine(model)
+    prefill.add_request("x", prompt, GREEDY, stop_after_prefill=True)
+    (out,) = prefill.step()
+    kv = out.prompt_kv
+    assert kv is not None and len(kv.blocks) == 5 and kv.num_tail_tokens == 2
+    seq = decode.admit_with_kv("x", prompt, out.new_token_ids, GREEDY, kv.block_hashes,
+                               [bytes(b) for b in kv.blocks], bytes(kv.tail))
+    assert seq.num_computed_tokens == len(prompt)
+    while decode.has_unfinished():
+        decode.step()
+    assert decode.stats.num_prefill_tokens == 0  # nothing recomputed
+    assert seq.output_token_ids == reference(ref, prompt, 12, eos)
+
+
+def test_kv_handoff_with_missing_blocks_recomputes(tiny_model):
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompt = prompts_of([22], model.config.vocab_size, seed=6)[0]
+    prefill, decode = make_engine(model), make_engine(model)
+    prefill.add_request("x", prompt, GREEDY, stop_after_prefill=True)
+    (out,) = prefill.step()
+    kv = out.prompt_kv
+    blocks = [bytes(b) for b in kv.blocks]
+    blocks[2] = None  # lost from the store
+    seq = decode.admit_with_kv("x", prompt, out.new_token_ids, GREEDY, kv.block_hashes, blocks, bytes(kv.tail))
+    assert seq.num_computed_tokens == 8
+    while decode.has_unfinished():
+        decode.step()
+    assert decode.stats.num_prefill_tokens == len(prompt) + 1 - 8  # the gap, then the first output token
+    assert seq.output_token_ids == reference(ref, prompt, 12, eos)
+
+
+def test_abort_frees_blocks(tiny_model):
+    model, _, _ = tiny_model
+    engine = make_engine(model, enable_prefix_caching=False)
+    engine.add_request("a", list(range(3, 30)), GREEDY)
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.num_kv_blocks
+    assert engine.abort("a")
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert not engine.has_unfinished()
+    assert not engine.abort("a")
+
+
+def test_seeded_sampling_is_batch_invariant(tiny_model):
+    model, _, _ = tiny_model
+    vocab = model.config.vocab_size
+    prompt = prompts_of([9], vocab, seed=7)[0]
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = make_engine(model).generate([prompt], sp)[0].output_token_ids
+    others = prompts_of([3, 17, 30], vocab, seed=8)
+    crowd = make_engine(model).generate([*others, prompt], [SamplingParams(max_tokens=10, temperature=1.0, seed=5)] * 3 + [sp])
+    assert crowd[-1].output_token_ids == alone
+    different_seed = make_engine(model).generate([prompt], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=99, ignore_eos=True))
+    assert different_seed[0].output_token_ids != alone
+
+
+def test_rejects_context_overflow(tiny_model):
+    from shared.errors import ContextLengthExceeded
+
+    model, _, _ = tiny_model
+    engine = make_engine(model, max_model_len=32)
+    with pytest.raises(ContextLengthExceeded):
+        engine.add_request("big", list(range(3, 30)), SamplingParams(max_tokens=10, temperature=0.0))
