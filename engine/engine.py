@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -83,7 +83,8 @@ class EngineStats:
     num_cached_tokens: int = 0
     num_loaded_tokens: int = 0
     step_seconds: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
+    last_step_tokens: int = 0
+    last_step_seqs: int = 0
 
 
 class LLMEngine:
@@ -307,6 +308,8 @@ class LLMEngine:
         if plan.is_empty:
             return []
         started = time.perf_counter()
+        self.stats.last_step_tokens = plan.num_batched_tokens
+        self.stats.last_step_seqs = len(plan.scheduled)
         result = self.runner.execute(plan.scheduled)
         outputs = self._update(plan.scheduled, result)
         self.stats.num_steps += 1

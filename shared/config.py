@@ -52,11 +52,11 @@ class Settings:
     )
     cache_dir: str = _doc("Where converted models are cached.", default="~/.cache/pdserve")
     dtype: str = _doc(
-        "auto | float32 | bfloat16 | float16. auto: bfloat16 where the CPU has native bf16 "
+        "auto, float32, bfloat16 or float16. auto: bfloat16 where the CPU has native bf16 "
         "(AVX512-BF16 or AMX) or on CUDA, else float32.",
         default="auto",
     )
-    device: str = _doc("auto | cpu | cuda.", default="auto")
+    device: str = _doc("auto, cpu or cuda. auto: cuda when available.", default="auto")
     torch_threads: int = _doc("Torch intra-op threads per model worker; 0 = torch's default.", default=0)
 
     # --- engine -------------------------------------------------------------------------
@@ -75,7 +75,7 @@ class Settings:
     enable_prefix_caching: bool = _doc("Reuse KV blocks of identical prompt prefixes.", default=True)
 
     # --- KV store -----------------------------------------------------------------------
-    kv_store: str = _doc("shm (one host) | redis (across hosts).", default="shm")
+    kv_store: str = _doc("shm (one host) or redis (across hosts).", default="shm")
     shm_dir: str = _doc("Folder on a tmpfs for the shared-memory KV store.", default="/dev/shm")
     kv_block_ttl_s: float = _doc(
         "Lease of a staged content-addressed KV block (shared prefix cache).", default=300.0
@@ -92,10 +92,10 @@ class Settings:
     gateway_host: str = _doc("Gateway bind address.", default="127.0.0.1")
     gateway_port: int = _doc("Gateway HTTP port.", default=8000)
     request_timeout_s: float = _doc(
-        "Deadline of a whole request; past it the client gets an error.", default=300.0
+        "Deadline of a whole request; past it the client gets an error.", default=600.0
     )
     stall_timeout_s: float = _doc(
-        "Longest wait for the next pipeline event of a request before it fails.", default=30.0
+        "Longest wait for the next pipeline event of a request before it fails.", default=60.0
     )
     max_request_body_bytes: int = _doc("Largest accepted HTTP body.", default=4 << 20)
 
@@ -117,7 +117,7 @@ class Settings:
     tokenizer_concurrency: int = _doc("Tasks one tokenizer worker holds at once.", default=64)
 
     # --- logging ------------------------------------------------------------------------
-    log_level: str = _doc("DEBUG | INFO | WARNING | ERROR.", default="INFO")
+    log_level: str = _doc("DEBUG, INFO, WARNING or ERROR.", default="INFO")
     log_json: bool = _doc("JSON logs (true) or human-readable console logs (false).", default=True)
 
     @classmethod

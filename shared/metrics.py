@@ -31,6 +31,8 @@ class StageMetrics:
     process_seconds: Histogram
     batch_size: Histogram
     in_flight: Gauge
+    step_seconds: Histogram
+    step_tokens: Histogram
 
 
 @functools.cache
@@ -47,6 +49,9 @@ def stage_metrics(stage: str) -> StageMetrics:
         ),
         batch_size=Histogram(f"{p}_batch_size", f"sequences per {stage} engine step", buckets=BATCH_BUCKETS),
         in_flight=Gauge(f"{p}_in_flight", f"work items a {stage} worker holds now"),
+        step_seconds=Histogram(f"{p}_step_seconds", f"duration of one {stage} engine step", buckets=LATENCY_BUCKETS),
+        step_tokens=Histogram(f"{p}_step_tokens", f"tokens computed in one {stage} engine step",
+                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)),
     )
 
 

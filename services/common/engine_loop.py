@@ -31,6 +31,7 @@ class EngineLoop:
         on_outputs: called on the event loop with each non-empty list of step outputs.
         on_step_error: called on the event loop with the request ids of a step that raised;
             those requests have been aborted in the engine.
+        metrics: the stage's StageMetrics (step time, tokens and sequences per step).
     """
 
     def __init__(
@@ -39,8 +40,10 @@ class EngineLoop:
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[StepOutput]], None],
         on_step_error: Callable[[list[str], Exception], None],
+        metrics=None,
     ):
         self.engine = engine
+        self.metrics = metrics
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error
@@ -108,7 +111,12 @@ class EngineLoop:
                     engine.abort(request_id)
                 self.loop.call_soon_threadsafe(self.on_step_error, ids, exc)
                 continue
-            self.busy_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.busy_seconds += elapsed
             self.last_step_at = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.step_seconds.observe(elapsed)
+                self.metrics.step_tokens.observe(engine.stats.last_step_tokens)
+                self.metrics.batch_size.observe(engine.stats.last_step_seqs)
             if outputs:
                 self.loop.call_soon_threadsafe(self.on_outputs, outputs)

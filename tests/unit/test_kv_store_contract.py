@@ -1,0 +1,91 @@
+"""One contract, run over every KV store implementation (shared memory and Redis)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from shared.config import Settings
+from shared.kv import BLOCK, TAIL, block_key, open_store, tail_key
+
+
+@pytest.fixture(params=["shm", "redis"])
+def store(request, tmp_path, redis_url):
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    settings = Settings.from_env({}, namespace=ns, kv_store=request.param, shm_dir=str(tmp_path),
+                                 redis_url=redis_url, kv_store_max_bytes=1 << 20)
+    s = open_store(settings)
+    yield s
+    s.clear()
+    s.close()
+
+
+def test_put_get_roundtrip_and_missing(store):
+    a, b = block_key(os.urandom(32), "float32"), tail_key("req-1")
+    assert store.put({a: b"x" * 1000, b: memoryview(b"tail")}, ttl_s=30) == 1004
+    assert store.get([a, b, block_key(os.urandom(32), "float32")]) == [b"x" * 1000, b"tail", None]
+    assert store.exists([a, b, tail_key("nope")]) == [True, True, False]
+    assert store.stats.put_bytes == 1004 and store.stats.get_bytes == 1004 and store.stats.num_get_misses == 1
+
+
+def test_kinds_listing_and_staged_bytes(store):
+    blocks = {block_key(os.urandom(32), "float32"): b"b" * 100 for _ in range(3)}
+    store.put(blocks, 30)
+    store.put({tail_key("r"): b"t" * 7}, 30)
+    assert sorted(store.list_keys(BLOCK)) == sorted(blocks)
+    assert store.list_keys(TAIL) == [tail_key("r")]
+    assert store.staged_bytes(BLOCK) == 300
+    assert store.staged_bytes(TAIL) == 7
+    assert store.staged_bytes() == 307
+
+
+def test_delete(store):
+    k = tail_key("gone")
+    store.put({k: b"1"}, 30)
+    assert store.delete([k, tail_key("never")]) == 1
+    assert store.get([k]) == [None]
+    assert store.staged_bytes() == 0
+
+
+def test_lease_expires_and_touch_renews(store):
+    short, renewed = tail_key("short"), tail_key("renewed")
+    store.put({short: b"s", renewed: b"r"}, ttl_s=0.3)
+    assert store.touch([renewed, tail_key("absent")], ttl_s=30) == [True, False]
+    time.sleep(0.5)
+    assert store.get([short, renewed]) == [None, b"r"]
+    assert store.exists([short]) == [False]
+    store.reap()
+    assert store.list_keys() == [renewed]
+
+
+def test_overwrite_is_idempotent(store):
+    k = block_key(os.urandom(32), "bfloat16")
+    store.put({k: b"same"}, 30)
+    store.put({k: b"same"}, 30)
+    assert store.get([k]) == [b"same"]
+    assert store.staged_bytes() == 4
+
+
+def test_unsafe_keys_are_refused():
+    from shared.kv.keys import kv_key
+
+    for bad in ("../etc", "a/b", "", "x" * 300):
+        with pytest.raises(ValueError):
+            kv_key(TAIL, bad)
+    with pytest.raises(ValueError):
+        kv_key("other", "x")
+
+
+def test_shm_capacity_evicts_soonest_expiring_blocks(tmp_path):
+    from shared.kv.shm import ShmKVStore
+
+    s = ShmKVStore(tmp_path / "cap", max_bytes=250)
+    old, new = block_key(os.urandom(32), "float32"), block_key(os.urandom(32), "float32")
+    s.put({old: b"o" * 100}, ttl_s=10)
+    s.put({new: b"n" * 100}, ttl_s=100)
+    s.put({tail_key("t"): b"t" * 100}, ttl_s=5)  # over the cap: the block that expires soonest goes
+    assert s.list_keys() == sorted([new, tail_key("t")])
+    assert s.staged_bytes() == 200
