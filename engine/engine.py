@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import msgspec
@@ -234,6 +235,33 @@ class LLMEngine:
                 break
             n += 1
         return n
+
+    def import_cached_blocks(self, block_hashes: Seq[bytes], blocks: Seq[bytes | memoryview]) -> int:
+        """Put blocks computed elsewhere (read from the KV store) into this worker's prefix
+        cache, as free cached blocks that the next prompt with that prefix will hit. Blocks
+        already cached here are skipped; stops early when no block is free. Returns how many
+        were imported.
+
+        Raises:
+            ValueError: a block's size does not match this pool's layout.
+        """
+        bm = self.block_manager
+        imported = 0
+        for block_hash, data in zip(block_hashes, blocks):
+            if bm.lookup(block_hash) is not None:
+                continue
+            if bm.num_free_blocks == 0:
+                break
+            block = bm.allocate_block()
+            try:
+                self.kv_cache.import_block(block.block_id, data)
+            except ValueError:
+                bm.release(block)
+                raise
+            bm.register_block(block, block_hash)
+            bm.release(block)
+            imported += 1
+        return imported
 
     def admit_with_kv(
         self,

@@ -51,7 +51,7 @@ async def run(n: int, settings: Settings) -> dict:
         for mode in ("core", "jetstream"):
             got: asyncio.Queue = asyncio.Queue()
 
-            async def on(msg) -> None:
+            async def on(msg, got=got) -> None:
                 got.put_nowait(time.perf_counter())
 
             if mode == "core":
@@ -78,7 +78,7 @@ async def run(n: int, settings: Settings) -> dict:
             done = asyncio.Event()
             total = n * 4
 
-            async def on_tp(msg) -> None:
+            async def on_tp(msg, total=total, done=done) -> None:
                 nonlocal count
                 count += 1
                 if count >= total:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,16 +33,38 @@ def _settings(args) -> Settings:
         raise SystemExit(f"pdserve: {exc}") from None
 
 
+def _state_dir(args, settings: Settings) -> Path:
+    """``--state-dir``, else ``$XDG_STATE_HOME/pdserve/<namespace>`` (absolute, so ``down``
+    finds a deployment from any folder)."""
+    if args.state_dir:
+        return Path(args.state_dir).expanduser().resolve()
+    base = Path(os.environ.get("XDG_STATE_HOME", "~/.local/state")).expanduser()
+    return (base / "pdserve" / settings.namespace).resolve()
+
+
+def _me() -> str:
+    """How to call this command again (``.venv/bin/pdserve`` when that is how it was called)."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name != "pdserve" or shutil.which("pdserve") == str(argv0.resolve()):
+        return "pdserve"
+    try:
+        return str(argv0.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(argv0.resolve())
+
+
 def cmd_up(args) -> int:
     from services import launcher
 
     settings = _settings(args)
     replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.decode,
                 "postfilter": args.postfilter, "gateway": 1}
-    dep = launcher.up(settings, replicas, args.detach, Path(args.state_dir), args.ready_timeout)
+    state_dir = _state_dir(args, settings)
+    dep = launcher.up(settings, replicas, args.detach, state_dir, args.ready_timeout)
     print(f"pdserve is ready at {dep.url}  (OpenAI API: {dep.url}/v1, model '{_model_name(settings)}')", flush=True)
+    print(f"logs: {state_dir / 'logs'}", flush=True)
     if args.detach:
-        print("stop it with: pdserve down", flush=True)
+        print(f"stop it with: {_me()} down", flush=True)
         return 0
     print("Ctrl-C stops it.", flush=True)
     return launcher.run_foreground(dep)
@@ -55,11 +79,13 @@ def _model_name(settings: Settings) -> str:
 def cmd_down(args) -> int:
     from services import launcher
 
-    if launcher.down(Path(args.state_dir)):
+    state_dir = _state_dir(args, _settings(args))
+    if launcher.down(state_dir):
         print("pdserve: stopped", flush=True)
-    else:
-        print(f"pdserve: nothing running (no state in {args.state_dir})", flush=True)
-    return 0
+        return 0
+    print(f"pdserve: nothing to stop: no running deployment recorded in {state_dir} "
+          "(give --state-dir, or PD_NAMESPACE, as used with 'up')", flush=True)
+    return 1
 
 
 def cmd_status(args) -> int:
@@ -101,10 +127,18 @@ def cmd_convert(args) -> int:
 
 
 def cmd_settings(args) -> int:
-    print("| variable | default | meaning |")
-    print("|---|---|---|")
-    for name, default, doc in Settings.table():
-        print(f"| `{name}` | `{default}` | {doc} |")
+    if args.markdown:
+        print("| variable | default | meaning |")
+        print("|---|---|---|")
+        for name, default, doc in Settings.table():
+            print(f"| `{name}` | `{default}` | {doc} |")
+        return 0
+    current = _settings(args).to_env()
+    width = max(len(n) for n, _, _ in Settings.table())
+    print(f"{'variable':<{width}}  {'in effect':<28} default")
+    for name, default, _ in Settings.table():
+        mark = "" if current[name] == default else "  (set)"
+        print(f"{name:<{width}}  {current[name]:<28} {default}{mark}")
     return 0
 
 
@@ -128,12 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         up.add_argument(f"--{stage}", type=int, default=1, metavar="N", help=f"{stage} replicas (default 1)")
     up.add_argument("--port", type=int, help="gateway port (default PD_GATEWAY_PORT or 8000)")
     up.add_argument("--kv-store", choices=("shm", "redis"), help="KV store (default PD_KV_STORE or shm)")
-    up.add_argument("--state-dir", default=".pdserve", help="pids, logs, NATS store (default .pdserve)")
+    up.add_argument("--state-dir", default=None,
+                    help="pids, logs, NATS store (default ~/.local/state/pdserve/<PD_NAMESPACE>)")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     up.set_defaults(fn=cmd_up)
 
     down = sub.add_parser("down", help="stop a deployment started with --detach")
-    down.add_argument("--state-dir", default=".pdserve")
+    down.add_argument("--state-dir", default=None, help="as given to 'up'")
     down.set_defaults(fn=cmd_down)
 
     st = sub.add_parser("status", help="list live workers from their heartbeats")
@@ -142,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert the default model once (up does this too)")
     conv.set_defaults(fn=cmd_convert)
 
-    se = sub.add_parser("settings", help="print the PD_* settings table")
+    se = sub.add_parser("settings", help="the PD_* settings in effect (and their defaults)")
+    se.add_argument("--markdown", action="store_true", help="the defaults as the README's Markdown table")
     se.set_defaults(fn=cmd_settings)
 
     be = sub.add_parser("bench", help="benchmarks that print their figures")
@@ -153,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `pdserve settings | head` ends quietly
     args = build_parser().parse_args(argv)
     return args.fn(args) or 0
 

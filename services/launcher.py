@@ -175,8 +175,12 @@ def start_services(dep: Deployment) -> None:
             env["PD_TORCH_THREADS"] = str(threads)
             env.setdefault("OMP_NUM_THREADS", str(threads))
             env["PYTHONUNBUFFERED"] = "1"
+            env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars inside JSON logs
+            env.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach a hub
             log_path = logs / f"{name}.log"
             log = open(log_path, "ab")
+            log.write(f"\n=== pdserve up {time.strftime('%Y-%m-%dT%H:%M:%S')} {name} ===\n".encode())
+            log.flush()
             popen = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], env=env, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=dep.detach,
                                      cwd=Path(__file__).resolve().parents[1])

@@ -49,14 +49,19 @@ async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=str(exc))
 
+    closing = {"nc": None}
+
     async def on_disconnect() -> None:
+        nc = closing["nc"]
+        if nc is not None and (nc.is_closed or nc.is_draining):
+            return  # our own close
         log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
     try:
-        return await nats.connect(
+        closing["nc"] = await nats.connect(
             settings.nats_url,
             name=name,
             connect_timeout=3,
@@ -69,6 +74,7 @@ async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int 
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
+        return closing["nc"]
     except Exception as exc:  # nats raises several unrelated types here
         raise ServiceUnavailable(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
 

@@ -192,9 +192,28 @@ class Usage(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """An alternative token: its text, log-probability and raw bytes (a byte-level token
+    may hold part of a UTF-8 character)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class OutputLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """An output token's text, log-probability, raw bytes and top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TopLogprob] = []
+
+
 class TextChunk(_Message, tag="text"):
     """Postfilter → gateway. ``text`` starts at character ``text_offset`` of the output, so a
-    gateway can drop text it already sent when a chunk is re-sent after a failover."""
+    gateway can drop text it already sent when a chunk is re-sent after a failover.
+    ``logprobs`` (when asked for) has one entry per output token this chunk consumed."""
 
     request_id: str
     text: str
@@ -202,9 +221,7 @@ class TextChunk(_Message, tag="text"):
     num_tokens: int
     finish_reason: str | None = None
     usage: Usage | None = None
-    token_ids: list[int] = []
-    tokens: list[str] = []
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[OutputLogprob] | None = None
 
 
 class Accepted(_Message, tag="accepted"):
@@ -254,7 +271,7 @@ class Heartbeat(_Message, tag="heartbeat"):
     metrics_port: int = 0
 
 
-Message = Union[
+Message = Union[  # noqa: UP007 (a runtime union for msgspec)
     TokenizeTask,
     PrefillTask,
     DecodeTask,

@@ -123,14 +123,14 @@ class PullConsumer:
                 self.room.clear()
                 try:
                     await asyncio.wait_for(self.room.wait(), 0.25)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             try:
                 if psub is None:
                     psub = await w.js.pull_subscribe_bind(durable=self.queue.durable, stream=self.queue.stream)
                 msgs = await psub.fetch(n, timeout=1.0)
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
                 # the stream or consumer is gone (a broker restarted without its storage)

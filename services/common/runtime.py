@@ -145,7 +145,7 @@ class Worker:
                 await self.publish(subject, hb)
             try:
                 await asyncio.wait_for(self.stopping.wait(), self.settings.heartbeat_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _on_control(self, message: Message) -> None:
@@ -177,7 +177,7 @@ class Worker:
         self.stopping.set()
         try:
             await asyncio.wait_for(self.before_drain(), self.drain_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.log.warning("drain_timeout")
         flush_until = time.monotonic() + 2.0
         while not self._outbox.empty() and time.monotonic() < flush_until:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, health and metrics.
+``/v1/models``, ``/tokenize``, ``/detokenize``, health and metrics.
 
 Errors are OpenAI error objects with the right status; client input never causes a 500.
 Whatever can fail before streaming (bad JSON, bad parameters, unknown model, no live worker,
@@ -9,6 +9,7 @@ error is a final ``data: {"error": ...}`` event followed by ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -16,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,11 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    openapi_bodies,
     validation_error_to_invalid,
 )
 from services.gateway.pipeline import PipelineClient
-from services.gateway.run import Choice, Delta, RequestRun
-from services.tokenizer.worker import model_limits
+from services.gateway.responses import Responses, sse
+from services.gateway.run import Choice, RequestRun
+from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
 from shared.errors import Aborted, InvalidRequest, ModelNotFound, PayloadTooLarge, PdError
 from shared.logging import get_logger, request_scope
@@ -42,13 +46,6 @@ from shared.models import is_complete, model_dir, served_model_name
 log = get_logger("gateway")
 
 KEEPALIVE_S = 15.0
-_json = msgspec.json.Encoder()
-
-
-def sse(payload: dict | str) -> bytes:
-    """One SSE event: ``data: <json>`` and a blank line."""
-    data = payload.encode() if isinstance(payload, str) else _json.encode(payload)
-    return b"data: " + data + b"\n\n"
 
 
 def error_response(exc: PdError) -> JSONResponse:
@@ -67,16 +64,21 @@ class Gateway:
         self.model_name = served_model_name(settings)
         self.vocab_size = 0
         self.max_model_len = 0
+        self.prompts: PromptProcessor | None = None
         self.metrics = gateway_metrics()
         self.created = int(time.time())
 
-    def load_model_limits(self) -> None:
+    def load_model(self) -> None:
+        """Model limits (vocabulary, context) and the tokenizer (for /tokenize and echo)."""
+        from transformers import AutoTokenizer
+
         folder = model_dir(self.settings)
         if not is_complete(folder):
             from engine.model_loader import ensure_model  # imports torch: only for a first conversion
 
             folder = ensure_model(self.settings, progress=True)
         self.vocab_size, self.max_model_len = model_limits(folder, self.settings.max_model_len)
+        self.prompts = PromptProcessor(AutoTokenizer.from_pretrained(folder), self.vocab_size, self.max_model_len)
 
     # --- request parsing ------------------------------------------------------------------
     async def read_json(self, request: Request) -> dict:
@@ -100,7 +102,7 @@ class Gateway:
         except UnicodeDecodeError as exc:
             raise InvalidRequest(f"request body is not valid UTF-8: {exc}", code="invalid_body") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                                  code="invalid_json") from None
@@ -113,6 +115,8 @@ class Gateway:
             req = cls.model_validate(data)
         except ValidationError as exc:
             raise validation_error_to_invalid(exc) from None
+        except RecursionError:
+            raise InvalidRequest("request body is nested too deeply", code="invalid_body") from None
         if req.model != self.model_name:
             raise ModelNotFound(f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                                 param="model")
@@ -142,7 +146,7 @@ class Gateway:
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
 
-    def _meta(self, request_id: str, now: float, req, headers: dict[str, str]) -> RequestMeta:
+    def _meta(self, request_id: str, now: float, req) -> RequestMeta:
         return RequestMeta(
             request_id=request_id,
             reply_to=self.client.inbox,
@@ -150,31 +154,32 @@ class Gateway:
             created_at=now,
             deadline_at=now + self.settings.request_timeout_s,
             cache_salt=req.cache_salt or "",
-            headers=headers,
         )
 
-    def _base_seed(self, req) -> int:
+    @staticmethod
+    def _base_seed(req) -> int:
         return (req.seed % (1 << 63)) if req.seed is not None else random.getrandbits(63)
 
     def chat_choices(self, req: ChatCompletionRequest, base_id: str) -> list[Choice]:
+        """One pipeline request per choice; choice k samples with seed + k."""
         now = time.time()
         requested = req.requested_max_tokens()
         max_tokens = requested if requested is not None else self.max_model_len
         messages = [ChatMessage(role=m.role if m.role != "developer" else "system", content=m.text()) for m in req.messages]
         seed = self._base_seed(req)
-        choices = []
-        for k in range(req.n):
-            task = TokenizeTask(
-                meta=self._meta(f"{base_id}-{k}", now, req, {}),
+        return [
+            Choice(index=k, prompt_index=0, task=TokenizeTask(
+                meta=self._meta(f"{base_id}-{k}", now, req),
                 sampling=self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
                 messages=messages,
                 add_generation_prompt=req.add_generation_prompt,
                 max_tokens_is_default=requested is None,
-            )
-            choices.append(Choice(index=k, prompt_index=0, task=task))
-        return choices
+            ))
+            for k in range(req.n)
+        ]
 
     def completion_choices(self, req: CompletionRequest, base_id: str) -> list[Choice]:
+        """One pipeline request per (prompt, choice); choice index = prompt * n + k."""
         now = time.time()
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         seed = self._base_seed(req)
@@ -183,7 +188,7 @@ class Gateway:
             for k in range(req.n):
                 index = p * req.n + k
                 task = TokenizeTask(
-                    meta=self._meta(f"{base_id}-{index}", now, req, {}),
+                    meta=self._meta(f"{base_id}-{index}", now, req),
                     sampling=self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=prompt if isinstance(prompt, list) else None,
@@ -191,26 +196,25 @@ class Gateway:
                 choices.append(Choice(index=index, prompt_index=p, task=task))
         return choices
 
-    # --- responses ------------------------------------------------------------------------
-    @staticmethod
-    def usage_of(choices: list[Choice]) -> dict:
-        prompt_tokens = {}
-        cached = {}
-        completion = 0
-        for c in choices:
-            prompt_tokens[c.prompt_index] = c.num_prompt_tokens
-            if c.usage is not None:
-                cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.usage.cached_tokens)
-            completion += c.usage.completion_tokens if c.usage else c.num_tokens
-        p = sum(prompt_tokens.values())
-        return {
-            "prompt_tokens": p,
-            "completion_tokens": completion,
-            "total_tokens": p + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
-        }
+    def echo_texts(self, req) -> list[str]:
+        """Completions with ``echo``: each prompt's text (token-id prompts detokenized)."""
+        if not getattr(req, "echo", False):
+            return []
+        out = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                out.append(prompt)
+            else:
+                self._check_token_ids(prompt, "prompt")
+                out.append(self.prompts.tokenizer.decode(prompt))
+        return out
 
-    async def run(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str) -> Response:
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
+
+    # --- serving ----------------------------------------------------------------------------
+    async def serve(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str) -> Response:
         self.client.check_ready()
 
         async def check_client() -> None:
@@ -219,120 +223,90 @@ class Gateway:
 
         run = RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
                          on_tick=check_client)
+        responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
         if not req.stream:
-            return await self._complete(endpoint, req, run, request_id)
-        return await self._stream(endpoint, req, run, request_id)
+            return await self._complete(endpoint, run, responses)
+        return await self._stream(endpoint, run, responses)
 
-    async def _complete(self, endpoint: str, req, run: RequestRun, request_id: str) -> Response:
-        async with run:
-            await run.wait_accepted()
-            async for _ in run.deltas():
-                pass
+    async def _complete(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
+        self.metrics["in_flight"].inc()
+        try:
+            async with run:
+                await run.wait_accepted()
+                async for delta in run.deltas():
+                    if delta is not None and delta.text:
+                        self._observe_token(run)
+        finally:
+            self.metrics["in_flight"].dec()
         self._observe(endpoint, run, "ok")
-        created = int(time.time())
-        if endpoint == "chat":
-            body = {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": chat_logprobs(c.tokens, c.logprobs) if req.logprobs else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in run.choices
-                ],
-                "usage": self.usage_of(run.choices),
-            }
-        else:
-            body = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "text": "".join(c.text),
-                        "logprobs": completion_logprobs(c.tokens, c.logprobs) if req.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in run.choices
-                ],
-                "usage": self.usage_of(run.choices),
-            }
-        return JSONResponse(body)
+        return JSONResponse(responses.complete(run.choices))
 
-    async def _stream(self, endpoint: str, req, run: RequestRun, request_id: str) -> Response:
+    async def _stream(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
         await run.__aenter__()
         try:
             await run.wait_accepted()
         except BaseException as exc:
             await run.__aexit__(type(exc), exc, None)
             raise
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            body = {"id": request_id, "object": obj, "created": created, "model": self.model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return sse(body)
-
-        def choice_delta(d: Delta) -> dict:
-            if endpoint == "chat":
-                out = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
-                       "logprobs": chat_logprobs(d.tokens, d.logprobs) if req.logprobs and d.logprobs else None,
-                       "finish_reason": d.finish_reason}
-            else:
-                out = {"index": d.choice.index, "text": d.text,
-                       "logprobs": completion_logprobs(d.tokens, d.logprobs) if req.logprobs is not None and d.logprobs else None,
-                       "finish_reason": d.finish_reason}
-            return out
+        self.metrics["in_flight"].inc()
 
         async def events() -> AsyncIterator[bytes]:
             outcome = "ok"
-            exc_info = (None, None)
+            exc_info: tuple = (None, None)
             last_write = time.monotonic()
             try:
-                if endpoint == "chat":
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for c in run.choices])
+                for first in responses.first_chunks(run.choices):
+                    yield first
                 async for d in run.deltas():
                     if d is None:
                         if time.monotonic() - last_write >= KEEPALIVE_S:
                             last_write = time.monotonic()
                             yield b": keep-alive\n\n"
                         continue
-                    if d.text or d.finish_reason is not None:
+                    if d.text or d.finish_reason is not None or d.logprobs:
                         if d.text:
                             self._observe_token(run)
                         last_write = time.monotonic()
-                        yield chunk([choice_delta(d)])
-                if include_usage:
-                    yield chunk([], self.usage_of(run.choices))
+                        yield responses.delta_chunk(d, run.choices)
+                if responses.include_usage:
+                    yield responses.usage_chunk(run.choices)
                 yield sse("[DONE]")
             except PdError as exc:
                 outcome = exc.code or exc.type
                 exc_info = (type(exc), exc)
                 if not isinstance(exc, Aborted):
-                    log.warning("stream_failed", request_id=request_id, error=exc.message)
+                    log.warning("stream_failed", request_id=responses.request_id, error=exc.message)
                     yield sse(exc.to_openai())
                     yield sse("[DONE]")
-            except BaseException as exc:  # client went away (cancelled) or a bug
-                outcome = "client_disconnected" if isinstance(exc, (GeneratorExit,)) or type(exc).__name__ == "CancelledError" else "error"
+            except (asyncio.CancelledError, GeneratorExit) as exc:
+                outcome = "client_disconnected"
                 exc_info = (type(exc), exc)
                 raise
             finally:
+                self.metrics["in_flight"].dec()
                 await run.__aexit__(exc_info[0], exc_info[1], None)
                 self._observe(endpoint, run, outcome)
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          "X-Request-Id": responses.request_id})
+
+    # --- tokenizer helpers ----------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        if req.messages is not None:
+            text = self.prompts.render_chat([m.model_dump() | {"content": m.text()} for m in req.messages],
+                                            req.add_generation_prompt)
+            ids = self.prompts.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.prompts.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.prompts.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_token_ids(req.tokens, "tokens")
+        return {"prompt": self.prompts.tokenizer.decode(req.tokens)}
 
     # --- metrics ----------------------------------------------------------------------------
     def _observe_token(self, run: RequestRun) -> None:
@@ -345,37 +319,12 @@ class Gateway:
         run._last_token_at = now  # type: ignore[attr-defined]
 
     def _observe(self, endpoint: str, run: RequestRun, outcome: str) -> None:
-        if outcome == "ok" and getattr(run, "_last_token_at", None) is None and run.first_token_at is not None:
-            self.metrics["ttft"].observe(run.first_token_at - run.started_at)
         self.metrics["e2e"].observe(time.monotonic() - run.started_at)
         self.metrics["requests"].labels(endpoint, outcome).inc()
 
 
-def chat_logprobs(tokens: list[str], logprobs) -> dict:
-    """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    content = []
-    for text, lp in zip(tokens, logprobs):
-        content.append({
-            "token": text,
-            "logprob": lp.logprob,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": str(t), "logprob": v, "bytes": None} for t, v in lp.top],
-        })
-    return {"content": content}
-
-
-def completion_logprobs(tokens: list[str], logprobs) -> dict:
-    """Legacy completions ``logprobs`` object."""
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{str(t): v for t, v in lp.top} for lp in logprobs],
-        "text_offset": offsets,
-    }
+def _reject_constant(name: str):
+    raise InvalidRequest(f"request body is not valid JSON: {name} is not a JSON number", code="invalid_json")
 
 
 def create_app(settings: Settings, client: PipelineClient | None = None) -> FastAPI:
@@ -385,14 +334,15 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gw.load_model_limits()
+        await asyncio.to_thread(gw.load_model)
         await client.start()
         log.info("gateway_ready", url=f"http://{settings.gateway_host}:{settings.gateway_port}", model=gw.model_name,
                  instance=client.instance_id)
         yield
         await client.stop()
 
-    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of a disaggregated LLM serving pipeline.")
     app.state.gateway = gw
 
     @app.exception_handler(PdError)
@@ -418,6 +368,8 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
         return JSONResponse({"error": {"message": "internal error", "type": "server_error", "param": None,
                                        "code": "internal_error"}}, status_code=500)
 
+    bodies = openapi_bodies()
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": gw.created,
@@ -429,19 +381,27 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
             raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
         return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "pdserve"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=bodies["chat"])
     async def chat_completions(request: Request):
         req = gw.parse(ChatCompletionRequest, await gw.read_json(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        with request_scope(request_id):
-            return await gw.run(request, "chat", req, gw.chat_choices(req, request_id), request_id)
+        with request_scope(request_id, user=req.user or ""):
+            return await gw.serve(request, "chat", req, gw.chat_choices(req, request_id), request_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=bodies["completion"])
     async def completions(request: Request):
         req = gw.parse(CompletionRequest, await gw.read_json(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        with request_scope(request_id):
-            return await gw.run(request, "completion", req, gw.completion_choices(req, request_id), request_id)
+        with request_scope(request_id, user=req.user or ""):
+            return await gw.serve(request, "completion", req, gw.completion_choices(req, request_id), request_id)
+
+    @app.post("/tokenize", openapi_extra=bodies["tokenize"])
+    async def tokenize(request: Request):
+        return gw.tokenize(gw.parse(TokenizeRequest, await gw.read_json(request)))
+
+    @app.post("/detokenize", openapi_extra=bodies["detokenize"])
+    async def detokenize(request: Request):
+        return gw.detokenize(gw.parse(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")
     @app.get("/healthz")

@@ -19,20 +19,26 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
 #: Parameters clients send that pdserve recognises but does not implement: a clear 400.
-NOT_IMPLEMENTED = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
-    "response_format": "response_format (JSON mode, structured outputs) is not supported",
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "suffix": "suffix (insertion) is not supported",
-    "best_of": "best_of is not supported; use n",
-    "reasoning_effort": "reasoning_effort is not supported",
+#: Each maps to (values that mean "off" and are accepted, message).
+NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
+    "tools": (([],), "tool calling is not supported"),
+    "tool_choice": (("none",), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none",), "function calling is not supported"),
+    "parallel_tool_calls": ((False,), "tool calling is not supported"),
+    "response_format": (({"type": "text"},), "response_format (JSON mode, structured outputs) is not supported; only {\"type\": \"text\"}"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+    "reasoning_effort": ((), "reasoning_effort is not supported"),
+    "store": ((False,), "storing completions is not supported"),
+    "metadata": (({},), "metadata is only used by stored completions, which are not supported"),
+    "service_tier": (("auto", "default"), "only the default service tier exists"),
+    "guided_json": ((), "guided decoding is not supported"),
+    "guided_regex": ((), "guided decoding is not supported"),
+    "guided_choice": ((), "guided decoding is not supported"),
 }
 
 
@@ -119,9 +125,16 @@ class _SamplingFields(_Base):
     @classmethod
     def _reject_unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for key, why in NOT_IMPLEMENTED.items():
-                if key in data and data[key] is not None:
+            for key, (off, why) in NOT_IMPLEMENTED.items():
+                if key in data and data[key] is not None and data[key] not in off:
                     raise InvalidRequest(f"'{key}': {why} by this server", param=key, code="unsupported_parameter")
+            data = {k: v for k, v in data.items() if k not in NOT_IMPLEMENTED}
+            if data.get("best_of") not in (None, 1, data.get("n", 1)):
+                raise InvalidRequest("'best_of' other than n is not supported; use n", param="best_of",
+                                     code="unsupported_parameter")
+            data.pop("best_of", None)
+            if data.get("stream_options") is not None and not data.get("stream"):
+                raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         return data
 
     def stop_list(self) -> tuple[str, ...]:
@@ -153,10 +166,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    # accepted and ignored by design: they do not change the output
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
 
     @model_validator(mode="after")
     def _checks(self):
@@ -190,6 +199,13 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("token-id prompts must not be empty")
         return v
 
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo together with logprobs (prompt logprobs) is not supported", param="echo",
+                                 code="unsupported_parameter")
+        return self
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""
         p = self.prompt
@@ -222,3 +238,53 @@ def validation_error_to_invalid(exc: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")
+
+
+class TokenizeRequest(_Base):
+    """``POST /tokenize`` (as vLLM offers it): a prompt, or chat messages with the template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
+        return self
+
+
+class DetokenizeRequest(_Base):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str
+    tokens: list[int]
+
+
+def openapi_bodies() -> dict[str, dict]:
+    """``openapi_extra`` request bodies, so the OpenAPI schema (and fuzzers that read it)
+    knows each endpoint's body, although the handlers parse bodies themselves."""
+
+    def inline(node, defs):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+            return {k: inline(v, defs) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [inline(v, defs) for v in node]
+        return node
+
+    def body(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema()
+        schema = inline(schema, schema.get("$defs", {}))
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+    return {
+        "chat": body(ChatCompletionRequest),
+        "completion": body(CompletionRequest),
+        "tokenize": body(TokenizeRequest),
+        "detokenize": body(DetokenizeRequest),
+    }

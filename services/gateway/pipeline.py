@@ -9,6 +9,7 @@ can arrive unrouted; it is unregistered in ``finally``.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from nats.aio.client import Client as NATS
@@ -18,6 +19,7 @@ from shared.config import Settings
 from shared.errors import ServiceUnavailable
 from shared.logging import get_logger
 from shared.messages import Abort, Heartbeat, Message, TokenizeTask
+from shared.models import served_model_name
 from shared.registry import WorkerRegistry
 from shared.subjects import Protocol
 
@@ -46,8 +48,26 @@ class PipelineClient:
         await bus.ensure_all_queues(self.js, self.protocol, self.settings)
         await bus.subscribe_messages(self.nc, self.inbox, self._on_event)
         await bus.subscribe_messages(self.nc, self.protocol.heartbeat, self._on_heartbeat)
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        """The gateway announces itself too (``pdserve status``, dashboards)."""
+        subject = self.protocol.heartbeat_of("gateway")
+        while True:
+            if self.nc is not None and self.nc.is_connected:
+                hb = Heartbeat(stage="gateway", instance_id=self.instance_id, model=served_model_name(self.settings),
+                               sent_at=time.time(), inbox=self.inbox, num_running=len(self._routes),
+                               metrics_port=self.settings.gateway_port)
+                try:
+                    await bus.publish_core(self.nc, subject, hb)
+                except Exception:
+                    pass
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def stop(self) -> None:
+        task = getattr(self, "_heartbeat_task", None)
+        if task is not None:
+            task.cancel()
         if self.nc is not None:
             await bus.close(self.nc)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.pipeline import PipelineClient
 from shared.errors import DeadlineExceeded, PdError
-from shared.messages import Accepted, ErrorEvent, TextChunk, TokenizeTask, TokenLogprob, Usage
+from shared.messages import Accepted, ErrorEvent, OutputLogprob, TextChunk, TokenizeTask, Usage
 
 
 class PipelineError(PdError):
@@ -42,8 +42,7 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     usage: Usage | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    tokens: list[str] = field(default_factory=list)
+    logprobs: list[OutputLogprob] = field(default_factory=list)
     accepted: bool = False
 
     @property
@@ -62,8 +61,7 @@ class Delta:
     choice: Choice
     text: str
     finish_reason: str | None
-    tokens: list[str]
-    logprobs: list[TokenLogprob]
+    logprobs: list[OutputLogprob]
 
 
 class RequestRun:
@@ -143,7 +141,7 @@ class RequestRun:
         timeout = min(stall_left, self.deadline_at - now, tick_s if tick_s is not None else float("inf"))
         try:
             event = await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if tick_s is not None and timeout == tick_s:
                 return None
             return await self._next_event(tick_s)  # re-checks which limit passed
@@ -167,15 +165,18 @@ class RequestRun:
             choice.sent_chars += len(text)
             choice.text.append(text)
             choice.num_tokens = max(choice.num_tokens, event.num_tokens)
+            new_logprobs: list[OutputLogprob] = []
             if event.logprobs:
-                choice.logprobs.extend(event.logprobs)
-                choice.tokens.extend(event.tokens)
+                # entries cover output tokens num_tokens - len .. num_tokens - 1: skip known ones
+                first = event.num_tokens - len(event.logprobs)
+                new_logprobs = list(event.logprobs[max(0, len(choice.logprobs) - first):])
+                choice.logprobs.extend(new_logprobs)
             if event.finish_reason is not None:
                 choice.finish_reason = event.finish_reason
                 choice.usage = event.usage
             if text and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            return Delta(choice, text, event.finish_reason, list(event.tokens), list(event.logprobs or []))
+            return Delta(choice, text, event.finish_reason, new_logprobs)
         return None
 
     async def wait_accepted(self) -> None:

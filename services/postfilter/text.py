@@ -45,10 +45,6 @@ class Detokenizer:
         self.num_chars = len(full)
         return rest
 
-    def token_text(self, token_id: int) -> str:
-        """How one token reads on its own (for logprobs; may hold a replacement character)."""
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
-
 
 class StopMatcher:
     """Finds stop strings in streamed text, across token boundaries, without leaking them.
@@ -102,3 +98,53 @@ class StopMatcher:
         """Release held text at the end of the stream (no stop string completed)."""
         out, self.held = self.held, ""
         return out
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-printable-character table used by byte-level BPE
+    (Radford et al., 2019): printable Latin-1 bytes map to themselves, the other 68 bytes to
+    the code points from 256 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class TokenText:
+    """A token's own text and raw bytes, for logprobs (cached per id).
+
+    Byte-level BPE vocabularies spell bytes as printable characters; SentencePiece ones use
+    ``▁`` for a space and ``<0xNN>`` for byte-fallback tokens. Anything else falls back to
+    decoding the token alone.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        decoder = getattr(tokenizer, "decoder", None)
+        self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
+        self._bytes_of = _byte_level_decoder() if self._byte_level else {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self._tokenizer.id_to_token(token_id) or ""
+        raw: bytes | None = None
+        if self._byte_level and piece and all(c in self._bytes_of for c in piece):
+            raw = bytes(self._bytes_of[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            raw = bytes([int(piece[3:5], 16)])
+        elif "\u2581" in piece:
+            raw = piece.replace("\u2581", " ").encode()
+        if raw is None:
+            raw = self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        text = raw.decode("utf-8", errors="replace")
+        self._cache[token_id] = (text, list(raw))
+        return self._cache[token_id]

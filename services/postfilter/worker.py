@@ -28,11 +28,20 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.runtime import RecentSet, Worker, main
-from services.postfilter.text import Detokenizer, StopMatcher
+from services.postfilter.text import Detokenizer, StopMatcher, TokenText
 from shared import bus
-from shared.messages import Abort, ErrorEvent, StreamSpec, TextChunk, TokenChunk, Usage
+from shared.messages import (
+    Abort,
+    ErrorEvent,
+    OutputLogprob,
+    StreamSpec,
+    TextChunk,
+    TokenChunk,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from shared.metrics import stage_metrics
-
 
 #: Chunks held while waiting for an earlier one, per request, before the request fails.
 MAX_OUT_OF_ORDER = 256
@@ -63,6 +72,7 @@ class PostfilterWorker(Worker):
         folder = await asyncio.to_thread(ensure_model, self.settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         self.tokenizer = tokenizer.backend_tokenizer
+        self.token_text = TokenText(self.tokenizer)
         self.states: dict[str, RequestState] = {}
         self.early: dict[str, dict[int, TokenChunk]] = {}
         self.early_at: dict[str, float] = {}
@@ -170,12 +180,12 @@ class PostfilterWorker(Worker):
         if finish is not None:
             usage = Usage(prompt_tokens=st.spec.num_prompt_tokens, completion_tokens=st.next_index,
                           cached_tokens=st.spec.num_cached_tokens)
-        logprobs = chunk.logprobs[skip : skip + consumed] if chunk.logprobs else None
+        logprobs = None
+        if chunk.logprobs:
+            logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[skip : skip + consumed]]
         self.post(st.spec.reply_to, TextChunk(
             request_id=rid, text=text, text_offset=st.text_offset, num_tokens=st.next_index,
-            finish_reason=finish, usage=usage, token_ids=new_tokens[:consumed] if logprobs else [],
-            tokens=[st.detok.token_text(t) for t in new_tokens[:consumed]] if logprobs else [],
-            logprobs=logprobs,
+            finish_reason=finish, usage=usage, logprobs=logprobs,
         ))
         st.text_offset += len(text)
         if finish is not None:
@@ -183,6 +193,14 @@ class PostfilterWorker(Worker):
             self.finished.add(rid)
             if stopped and chunk.finish_reason is None:
                 self.post(self.protocol.abort, Abort(request_id=rid, reason="stop"))
+
+    def _logprob_entry(self, lp: TokenLogprob) -> OutputLogprob:
+        text, raw = self.token_text(lp.token_id)
+        top = []
+        for token_id, value in lp.top:
+            t, b = self.token_text(token_id)
+            top.append(TopLogprob(token=t, logprob=value, bytes=b))
+        return OutputLogprob(token=text, logprob=lp.logprob, bytes=raw, top=top)
 
     def _fail(self, rid: str, st: RequestState, message: str) -> None:
         self.log.error("stream_failed", request_id=rid, error=message)

@@ -157,6 +157,7 @@ class PrefillWorker(Worker):
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
         try:
+            store_hit_tokens = await self._import_store_hits(task)
             await self.engine_loop.call(lambda e: e.add_request(
                 rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
                 cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
@@ -165,18 +166,53 @@ class PrefillWorker(Worker):
             except Aborted:
                 await item.ack()
                 return
-            await self._hand_off(item, task, out, postfilter.inbox)
+            await self._hand_off(item, task, out, postfilter.inbox, store_hit_tokens)
         finally:
             self.pending.pop(rid, None)
             if not fut.done():
                 fut.cancel()
             self.consumer.notify_room()
 
-    async def _hand_off(self, item: WorkItem, task: PrefillTask, out: StepOutput, postfilter: str) -> None:
+    async def _import_store_hits(self, task: PrefillTask) -> int:
+        """Blocks of this prompt that another worker already staged count as prefix hits:
+        read the leading run this worker lacks from the store into its prefix cache, so the
+        engine computes only the rest. Any failure just means computing more. Returns the
+        number of prompt tokens imported."""
+        if not self.settings.enable_prefix_caching:
+            return 0
+        hashes = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self.settings.block_size]
+        num_local = self.engine.cached_block_hashes(hashes)
+        wanted = hashes[num_local:]
+        if not wanted:
+            return 0
+        dtype = self.engine.layout.dtype
+        keys = [block_key(h, dtype) for h in wanted]
+        started = time.perf_counter()
+        try:
+            present = await asyncio.to_thread(self.store.exists, keys)
+            run = next((i for i, p in enumerate(present) if not p), len(present))
+            if run == 0:
+                return 0
+            data = await asyncio.to_thread(self.store.get, keys[:run])
+            run = next((i for i, d in enumerate(data) if d is None), len(data))
+            if run == 0:
+                return 0
+            imported = await self.engine_loop.call(lambda e: e.import_cached_blocks(wanted[:run], data[:run]))
+        except Exception as exc:
+            self.log.warning("store_prefix_lookup_failed", request_id=task.meta.request_id, error=str(exc))
+            return 0
+        self.kv_metrics["get_bytes"].inc(sum(len(d) for d in data[:run]))
+        self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
+        self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "store").inc(imported * self.settings.block_size)
+        return imported * self.settings.block_size
+
+    async def _hand_off(self, item: WorkItem, task: PrefillTask, out: StepOutput, postfilter: str,
+                        store_hit_tokens: int) -> None:
         meta, sp, seq = task.meta, task.sampling, out.seq
         self.kv_metrics["prefix_query_tokens"].labels(self.stage).inc(seq.num_prompt_tokens)
-        if seq.num_cached_tokens:
-            self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(seq.num_cached_tokens)
+        local_hits = max(0, seq.num_cached_tokens - store_hit_tokens)
+        if local_hits:
+            self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(local_hits)
         spec = StreamSpec(
             reply_to=meta.reply_to,
             stop=sp.stop,

@@ -87,5 +87,5 @@ class KVStore(abc.ABC):
         """Remove everything under this store's namespace."""
         self.delete(self.list_keys())
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: most stores hold nothing to release)
         """Release connections."""

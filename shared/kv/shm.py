@@ -181,7 +181,7 @@ class ShmKVStore(KVStore):
         total = sum(size for _, _, size in live)
         if self.max_bytes and total > self.max_bytes:
             victims = []
-            for mtime, key, size in sorted(live):
+            for _, key, size in sorted(live):
                 if total <= self.max_bytes:
                     break
                 if key.startswith(TAIL):

@@ -7,13 +7,10 @@ import json
 import os
 import signal
 import time
-import uuid
 
 import httpx
 import pytest
 import torch
-
-from tests.pipeline_fixture import deployment
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,20 +20,6 @@ PROMPTS = [
     "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 and a much longer prompt that spans several KV blocks",
     "café naïve résumé",
 ]
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_model_dir, nats_url):
-    ns = f"t{uuid.uuid4().hex[:10]}"
-    with deployment(tmp_path_factory.mktemp("pipe"), str(tiny_model_dir), ns, block_size=4,
-                    stall_timeout_s=6.0) as dep:
-        yield dep
-
-
-@pytest.fixture(scope="module")
-def client(pipeline):
-    with httpx.Client(base_url=pipeline.url, timeout=60) as c:
-        yield c
 
 
 def reference_text(tiny_model, content: str, max_tokens: int) -> tuple[str, list[int], int]:
@@ -108,7 +91,7 @@ def test_greedy_stream_equals_generate_and_non_stream(client, tiny_model, conten
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected, "refusal": None}
     assert body["choices"][0]["finish_reason"] == finish
     assert body["usage"]["prompt_tokens"] == num_prompt
     assert body["usage"]["completion_tokens"] == len(gen_ids)

@@ -81,7 +81,6 @@ def test_chunked_prefill_matches(tiny_model):
 
 def test_preemption_by_recompute_matches(tiny_model):
     model, ref, _ = tiny_model
-    eos = eos_ids_of(model)
     prompts = prompts_of([10, 12, 9, 11], model.config.vocab_size, seed=3)
     sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     engine = make_engine(model, num_kv_blocks=16)  # 64 token slots for 4 × ~27 tokens
@@ -178,3 +177,21 @@ def test_rejects_context_overflow(tiny_model):
     engine = make_engine(model, max_model_len=32)
     with pytest.raises(ContextLengthExceeded):
         engine.add_request("big", list(range(3, 30)), SamplingParams(max_tokens=10, temperature=0.0))
+
+
+def test_blocks_imported_from_the_store_are_prefix_hits(tiny_model):
+    """A prefix computed by one worker and read back from the KV store saves work on another."""
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompt = prompts_of([26], model.config.vocab_size, seed=9)[0]
+    first, second = make_engine(model), make_engine(model)
+    first.add_request("a", prompt, GREEDY, stop_after_prefill=True)
+    (out,) = first.step()
+    kv = out.prompt_kv
+    assert second.import_cached_blocks(kv.block_hashes, [bytes(b) for b in kv.blocks]) == 6
+    assert second.block_manager.num_free_blocks == second.num_kv_blocks  # cached, yet free
+    assert second.import_cached_blocks(kv.block_hashes, [bytes(b) for b in kv.blocks]) == 0  # already there
+    (seq,) = second.generate([prompt + [5]], GREEDY)
+    assert seq.num_cached_tokens == 24
+    assert second.stats.num_prefill_tokens == len(prompt) + 1 - 24
+    assert seq.output_token_ids == reference(ref, prompt + [5], 12, eos)

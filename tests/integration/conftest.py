@@ -1,0 +1,24 @@
+"""One tiny-model deployment (five processes over real NATS) shared by the integration tests."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.pipeline_fixture import deployment
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory, tiny_model_dir, nats_url):
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    with deployment(tmp_path_factory.mktemp("pipe"), str(tiny_model_dir), ns, block_size=4,
+                    stall_timeout_s=6.0) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="session")
+def client(pipeline):
+    with httpx.Client(base_url=pipeline.url, timeout=60) as c:
+        yield c
