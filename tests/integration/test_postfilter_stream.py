@@ -44,7 +44,7 @@ def drive(pipeline, inbox: str, chunks: list[TokenChunk], reply_to: str, wait_s:
         await nc.flush()
         try:
             await asyncio.wait_for(done.wait(), wait_s + 6)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         await nc.close()
         return got
