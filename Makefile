@@ -45,3 +45,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pdserve .pytest_cache
+
+## regenerate the README's settings table from shared/config.py
+readme-settings: $(STAMP)
+	$(PY) -c "import re,subprocess; t=subprocess.run(['$(VENV)/bin/pdserve','settings','--markdown'],capture_output=True,text=True,check=True).stdout.strip(); s=open('README.md').read(); open('README.md','w').write(re.sub(r'<!-- settings:begin -->.*?<!-- settings:end -->', '<!-- settings:begin -->\n'+t+'\n<!-- settings:end -->', s, flags=re.S))"

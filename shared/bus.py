@@ -119,12 +119,16 @@ async def ensure_work_queue(js: JetStreamContext, queue: WorkQueue, settings: Se
             await js.stream_info(queue.stream)  # another process created it meanwhile
     cconfig = consumer_config(queue, settings)
     try:
-        await js.consumer_info(queue.stream, queue.durable)
+        info = await js.consumer_info(queue.stream, queue.durable)
+        if info.config.ack_wait != cconfig.ack_wait or info.config.max_deliver != cconfig.max_deliver:
+            await js.add_consumer(queue.stream, cconfig)  # updates a durable consumer in place
     except NotFoundError:
         try:
             await js.add_consumer(queue.stream, cconfig)
         except nats.js.errors.BadRequestError:
             await js.consumer_info(queue.stream, queue.durable)
+    except nats.js.errors.BadRequestError as exc:
+        log.warning("consumer_update_refused", durable=queue.durable, error=str(exc))
 
 
 async def ensure_all_queues(js: JetStreamContext, protocol: Protocol, settings: Settings) -> None:

@@ -83,6 +83,11 @@ class Settings:
     kv_tail_ttl_s: float = _doc(
         "Lease of a request-scoped tail block not yet admitted by decode.", default=60.0
     )
+    kv_failure_policy: str = _doc(
+        "When the KV store cannot be written or read: recompute (decode recomputes the prompt) "
+        "or fail (the request ends with an error).",
+        default="recompute",
+    )
     kv_store_max_bytes: int = _doc(
         "Cap on the shared-memory store; the least recently used blocks go first.",
         default=2 << 30,
@@ -98,6 +103,26 @@ class Settings:
         "Longest wait for the next pipeline event of a request before it fails.", default=60.0
     )
     max_request_body_bytes: int = _doc("Largest accepted HTTP body.", default=4 << 20)
+    max_inflight_requests: int = _doc(
+        "Requests one gateway serves at once; more get 429 with Retry-After. 0 = no limit.", default=256
+    )
+    max_queued_tasks: int = _doc(
+        "Work items waiting in the tokenizer and prefill queues above which new requests get 429. "
+        "0 = no limit.",
+        default=512,
+    )
+    stage_down_grace_s: float = _doc(
+        "How long a stage may have no live worker before the requests waiting on it fail (503).",
+        default=10.0,
+    )
+    api_keys: str = _doc(
+        "Comma-separated API keys; when set, requests need 'Authorization: Bearer <key>' (else 401), "
+        "and each key gets its own prefix cache.",
+        default="",
+    )
+    rate_limit_tokens_per_minute: int = _doc(
+        "Prompt + completion tokens per API key per minute (token bucket); 0 = no limit.", default=0
+    )
 
     # --- workers ------------------------------------------------------------------------
     instance_id: str = _doc("Worker instance id; empty = generated.", default="")
@@ -110,8 +135,9 @@ class Settings:
         "A worker whose heartbeat is older than this is considered gone.", default=5.0
     )
     ack_wait_s: float = _doc(
-        "JetStream ack_wait of the work queues; in-progress work is touched well inside it.",
-        default=30.0,
+        "JetStream ack_wait of the work queues. Workers mark held work in progress every third "
+        "of it, so this is how fast the work of a dead worker is redelivered.",
+        default=6.0,
     )
     max_deliver: int = _doc("Deliveries of one work item before it is given up.", default=5)
     tokenizer_concurrency: int = _doc("Tasks one tokenizer worker holds at once.", default=64)
@@ -145,6 +171,8 @@ class Settings:
 
     def validate(self) -> None:
         """Raises SettingsError on values that cannot work."""
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise SettingsError(f"PD_KV_FAILURE_POLICY must be recompute or fail, not {self.kv_failure_policy!r}")
         if self.kv_store not in ("shm", "redis"):
             raise SettingsError(f"PD_KV_STORE must be shm or redis, not {self.kv_store!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

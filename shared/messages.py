@@ -169,6 +169,18 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     num_cached_tokens: int = 0
     deadline_at: float = 0.0
 
+    @classmethod
+    def of(cls, meta: RequestMeta, sampling: SamplingParams, num_prompt_tokens: int, num_cached_tokens: int) -> StreamSpec:
+        return cls(
+            reply_to=meta.reply_to,
+            stop=sampling.stop,
+            skip_special_tokens=sampling.skip_special_tokens,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+            num_prompt_tokens=num_prompt_tokens,
+            num_cached_tokens=num_cached_tokens,
+            deadline_at=meta.deadline_at,
+        )
+
 
 class TokenChunk(_Message, tag="tokens"):
     """Prefill/decode → postfilter. ``token_ids`` are output tokens ``index, index+1, ...``.
@@ -254,6 +266,23 @@ class Abort(_Message, tag="abort"):
     reason: str
 
 
+class ResumeQuery(_Message, tag="resume_query"):
+    """Decode → the postfilter that owns a request (request/reply): which tokens have you got?
+    Asked by a decode worker that took over a request from a dead one."""
+
+    request_id: str
+
+
+class ResumeState(_Message, tag="resume_state"):
+    """Postfilter → decode: the output tokens received so far, in order, without gaps;
+    ``finished`` when the request already ended (nothing left to do)."""
+
+    request_id: str
+    output_token_ids: list[int] = []
+    known: bool = False
+    finished: bool = False
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     """Every worker, every ``heartbeat_interval_s``. ``inbox`` is the worker's own subject
     (postfilter instances receive token streams there). ``ready`` is false until the model or
@@ -280,6 +309,8 @@ Message = Union[  # noqa: UP007 (a runtime union for msgspec)
     Accepted,
     ErrorEvent,
     Abort,
+    ResumeQuery,
+    ResumeState,
     Heartbeat,
 ]
 

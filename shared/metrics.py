@@ -33,6 +33,8 @@ class StageMetrics:
     in_flight: Gauge
     step_seconds: Histogram
     step_tokens: Histogram
+    kv_blocks_used: Gauge
+    kv_blocks_total: Gauge
 
 
 @functools.cache
@@ -52,6 +54,8 @@ def stage_metrics(stage: str) -> StageMetrics:
         step_seconds=Histogram(f"{p}_step_seconds", f"duration of one {stage} engine step", buckets=LATENCY_BUCKETS),
         step_tokens=Histogram(f"{p}_step_tokens", f"tokens computed in one {stage} engine step",
                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)),
+        kv_blocks_used=Gauge(f"{p}_kv_blocks_used", f"KV blocks of the {stage} worker's pool held by sequences"),
+        kv_blocks_total=Gauge(f"{p}_kv_blocks_total", f"KV blocks in the {stage} worker's pool"),
     )
 
 
@@ -73,6 +77,12 @@ def kv_metrics() -> dict:
 
 
 @functools.cache
+def queue_metrics() -> Gauge:
+    """JetStream consumer backlog per stage (messages not yet delivered), seen by a gateway."""
+    return Gauge("pd_queue_backlog", "work items waiting in a stage's JetStream work queue", ["stage"])
+
+
+@functools.cache
 def gateway_metrics() -> dict:
     return {
         "requests": Counter("pd_gateway_requests_total", "requests by endpoint and outcome", ["endpoint", "outcome"]),
@@ -80,6 +90,7 @@ def gateway_metrics() -> dict:
         "ttft": Histogram("pd_gateway_ttft_seconds", "time to first content token", buckets=LATENCY_BUCKETS),
         "itl": Histogram("pd_gateway_itl_seconds", "time between content chunks", buckets=LATENCY_BUCKETS),
         "e2e": Histogram("pd_gateway_e2e_seconds", "request end-to-end latency", buckets=LATENCY_BUCKETS),
+        "rejected": Counter("pd_gateway_rejected_total", "requests refused before queueing", ["reason"]),
     }
 
 

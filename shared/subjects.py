@@ -66,6 +66,11 @@ class Protocol:
         """Core NATS: TokenChunk stream of the requests assigned to one postfilter instance."""
         return f"{self.namespace}.postfilter.{instance_id}.tokens"
 
+    def postfilter_resume(self, inbox: str) -> str:
+        """Core NATS request/reply: ResumeQuery → ResumeState, for the instance whose token
+        inbox is ``inbox``."""
+        return inbox.removesuffix(".tokens") + ".resume"
+
     def gateway_inbox(self, instance_id: str) -> str:
         """Core NATS: Accepted / TextChunk / ErrorEvent for one gateway instance's requests."""
         return f"{self.namespace}.gateway.{instance_id}.events"

@@ -95,10 +95,18 @@ class EngineLoop:
             except BaseException as exc:  # handed to the awaiting coroutine
                 self._resolve(fut, exc=exc)
 
+    def _report_pool(self) -> None:
+        if self.metrics is not None:
+            bm = self.engine.block_manager
+            self.metrics.kv_blocks_used.set(bm.num_blocks - bm.num_free_blocks)
+
     def _run(self) -> None:
         engine = self.engine
+        if self.metrics is not None:
+            self.metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
         while not self._stop.is_set():
             self._drain_calls(block=not engine.has_unfinished())
+            self._report_pool()
             if self._stop.is_set() or not engine.has_unfinished():
                 continue
             started = time.perf_counter()

@@ -4,20 +4,25 @@ Life cycle of a request here:
 
 1. pull a DecodeTask (durable ``decode-workers``) while the running batch has room; drop it if
    aborted or past its deadline;
-2. load its prompt KV: full blocks this worker already holds in its prefix cache are not
+2. if this is a redelivery (the worker that had it died), ask the request's postfilter which
+   output tokens it already has, and continue after those: the prompt and those tokens are
+   recomputed (recompute from prompt + tokens already sent), so the client's stream goes on
+   with nothing repeated and nothing missing;
+3. load its prompt KV: full blocks this worker already holds in its prefix cache are not
    fetched; the others and the request-scoped tail come from the KV store in one batched
-   read; a layout mismatch or a missing block means recompute from there;
-3. admit it into the continuous batch; delete the tail from the store (nothing
+   read; a layout mismatch, a missing block or an unreachable store means recompute from
+   there (``PD_KV_FAILURE_POLICY=recompute``) or a clean error (``fail``);
+4. admit it into the continuous batch; delete the tail from the store (nothing
    request-scoped stays staged once decode holds the KV);
-4. every step, send the new token to the request's postfilter instance (core NATS);
-5. when the request finishes (EOS, stop token, max_tokens, context end) ack the DecodeTask.
+5. every step, send the new token to the request's postfilter instance (core NATS); if that
+   instance dies, re-send the whole output so far to a live one (the gateway drops text it
+   already delivered);
+6. when the request finishes (EOS, stop token, max_tokens, context end) ack the DecodeTask.
    The task stays unacked — and marked in progress — while the request runs, so if this
-   worker dies JetStream redelivers it to another decode worker, which regenerates the
-   same tokens (seeded sampling is per token index) and the postfilter drops what it
-   already has.
+   worker dies JetStream redelivers it within ``ack_wait`` to another decode worker.
 
 An Abort (client gone, stop string matched, deadline) drops the request from the batch at
-the next step and frees its blocks.
+the next step and frees its blocks; so does the death of the gateway instance waiting for it.
 """
 
 from __future__ import annotations
@@ -26,22 +31,41 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import nats.errors
+
 from engine.engine import StepOutput
 from engine.factory import build_engine
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.engine_loop import EngineLoop
 from services.common.runtime import Worker, main
-from shared.errors import EngineError
+from shared import bus
+from shared.errors import EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import block_key, open_store
-from shared.messages import Abort, DecodeTask, TokenChunk
+from shared.messages import (
+    Abort,
+    DecodeTask,
+    Heartbeat,
+    ResumeQuery,
+    ResumeState,
+    StreamSpec,
+    TokenChunk,
+    decode_as,
+    encode,
+)
 from shared.metrics import kv_metrics, stage_metrics
+from shared.registry import WorkerRegistry
+
+#: How long a new owner waits for the old postfilter's answer about a request's tokens.
+RESUME_TIMEOUT_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
 class ActiveRequest:
     task: DecodeTask
     done: asyncio.Future
+    postfilter: str
     started_at: float = field(default_factory=time.monotonic)
+    seq: object = None  # the engine's Sequence once admitted (read-only here)
 
 
 class DecodeWorker(Worker):
@@ -51,15 +75,25 @@ class DecodeWorker(Worker):
         self.engine = await asyncio.to_thread(build_engine, self.settings)
         self.store = open_store(self.settings)
         self.active: dict[str, ActiveRequest] = {}
+        self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
+        self.gateways_seen: set[str] = set()
         self.metrics = stage_metrics(self.stage)
+        self.kv_metrics = kv_metrics()
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
                                       self.metrics).start()
-        self.kv_metrics = kv_metrics()
 
     async def serve(self) -> None:
+        async def on_heartbeat(hb) -> None:
+            if isinstance(hb, Heartbeat):
+                self.registry.observe(hb)
+                if hb.stage == "gateway":
+                    self.gateways_seen.add(hb.inbox)
+
+        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
+        self.spawn(self._watch_peers(), "watch-peers")
 
     def _capacity(self) -> int:
         slots = self.engine.config.max_num_seqs - len(self.active)
@@ -82,7 +116,7 @@ class DecodeWorker(Worker):
             req = self.active.get(out.request_id)
             if req is None:
                 continue
-            self.post(req.task.postfilter, TokenChunk(
+            self.post(req.postfilter, TokenChunk(
                 request_id=out.request_id,
                 index=out.index,
                 token_ids=out.new_token_ids,
@@ -106,6 +140,65 @@ class DecodeWorker(Worker):
             if not req.done.done():
                 req.done.set_result("abort")
 
+    # --- peers ------------------------------------------------------------------------------
+    def _postfilter_alive(self, inbox: str) -> bool:
+        return any(h.inbox == inbox for h in self.registry.live("postfilter"))
+
+    def _new_postfilter(self, rid: str) -> str:
+        owner = self.registry.pick("postfilter", rid)
+        if owner is None:
+            raise ServiceUnavailable("no postfilter worker is alive")
+        return owner.inbox
+
+    def _replay(self, req: ActiveRequest, rid: str, output_token_ids: list[int]) -> None:
+        """Send a request's whole output so far to its (new) postfilter, from index 0."""
+        task = req.task
+        spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
+        self.post(req.postfilter, TokenChunk(request_id=rid, index=0, token_ids=list(output_token_ids), spec=spec,
+                                             worker=self.instance_id))
+
+    async def _watch_peers(self) -> None:
+        """Re-route streams whose postfilter died; drop requests whose gateway died."""
+        period = self.settings.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(period)
+            gateways = {h.inbox for h in self.registry.live("gateway", ready_only=False)}
+            for rid, req in list(self.active.items()):
+                if req.seq is None or req.done.done():
+                    continue
+                reply_to = req.task.meta.reply_to
+                if reply_to in self.gateways_seen and reply_to not in gateways:
+                    self.log.warning("gateway_gone", request_id=rid)
+                    await self.on_abort(Abort(request_id=rid, reason="gateway_gone"))
+                    continue
+                if not self._postfilter_alive(req.postfilter):
+                    try:
+                        req.postfilter = self._new_postfilter(rid)
+                    except ServiceUnavailable:
+                        continue  # none alive now; the gateway's stall timeout bounds the wait
+                    self.log.warning("postfilter_rerouted", request_id=rid, to=req.postfilter)
+                    self._replay(req, rid, list(req.seq.output_token_ids))
+
+    async def _resume_point(self, req: ActiveRequest, rid: str) -> tuple[list[int], bool, bool]:
+        """For a redelivered task: (output tokens to continue after, whether the stream must be
+        replayed to a new postfilter, whether the request already finished)."""
+        task = req.task
+        if self._postfilter_alive(req.postfilter):
+            try:
+                reply = await self.nc.request(self.protocol.postfilter_resume(req.postfilter),
+                                              encode(ResumeQuery(request_id=rid)), timeout=RESUME_TIMEOUT_S)
+                state = decode_as(reply.data, ResumeState)
+                if state.finished:
+                    return [], False, True
+                if state.known and len(state.output_token_ids) > len(task.output_token_ids):
+                    self.log.info("resumed", request_id=rid, num_tokens=len(state.output_token_ids))
+                    return list(state.output_token_ids), False, False
+                return list(task.output_token_ids), not state.known, False
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, Exception) as exc:
+                self.log.warning("resume_query_failed", request_id=rid, error=str(exc))
+        req.postfilter = self._new_postfilter(rid)
+        return list(task.output_token_ids), True, False
+
     # --- the work ---------------------------------------------------------------------------
     def _load_kv(self, task: DecodeTask, num_local: int) -> tuple[list, bytes | None]:
         """Read the blocks this worker lacks and the tail from the store (in a thread)."""
@@ -117,6 +210,26 @@ class DecodeWorker(Worker):
         tail = values.pop() if handle.tail_key else None
         return [None] * num_local + values, tail
 
+    async def _fetch_kv(self, task: DecodeTask) -> tuple[list, bytes | None]:
+        handle = task.kv
+        if handle is None or handle.layout != self.engine.layout:
+            return [], None
+        num_local = self.engine.cached_block_hashes(handle.block_hashes)
+        started = time.perf_counter()
+        try:
+            blocks, tail = await asyncio.to_thread(self._load_kv, task, num_local)
+        except KVTransferError as exc:
+            if self.settings.kv_failure_policy == "fail":
+                raise
+            self.log.warning("kv_load_failed_recomputing", request_id=task.meta.request_id, error=exc.message)
+            return [None] * num_local, None
+        nbytes = sum(len(b) for b in blocks if b is not None) + (len(tail) if tail else 0)
+        self.kv_metrics["get_bytes"].inc(nbytes)
+        self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
+        if num_local:
+            self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(num_local * handle.layout.block_size)
+        return blocks, tail
+
     async def handle(self, item: WorkItem) -> None:
         task: DecodeTask = item.message  # type: ignore[assignment]
         meta = task.meta
@@ -125,30 +238,26 @@ class DecodeWorker(Worker):
             item.done = True  # redelivery of a request running here: the first delivery acks
             return
         if rid in self.aborted or time.time() > meta.deadline_at:
-            if task.kv and task.kv.tail_key:
-                await asyncio.to_thread(self.store.delete, [task.kv.tail_key])
+            await self._drop_tail(task)
             await item.ack()
             return
-        req = ActiveRequest(task, asyncio.get_running_loop().create_future())
+        req = ActiveRequest(task, asyncio.get_running_loop().create_future(), task.postfilter)
         self.active[rid] = req
         try:
-            blocks: list = []
-            tail = None
+            output_ids, replay, finished = list(task.output_token_ids), False, False
+            if item.num_delivered > 1:
+                output_ids, replay, finished = await self._resume_point(req, rid)
+            if finished:
+                await item.ack()
+                return
+            blocks, tail = await self._fetch_kv(task)
             handle = task.kv
-            if handle is not None and handle.layout == self.engine.layout:
-                num_local = self.engine.cached_block_hashes(handle.block_hashes)
-                started = time.perf_counter()
-                blocks, tail = await asyncio.to_thread(self._load_kv, task, num_local)
-                nbytes = sum(len(b) for b in blocks if b is not None) + (len(tail) if tail else 0)
-                self.kv_metrics["get_bytes"].inc(nbytes)
-                self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
-                if num_local:
-                    self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(num_local * handle.layout.block_size)
-            await self.engine_loop.call(lambda e: e.admit_with_kv(
-                rid, task.prompt_token_ids, task.output_token_ids, task.sampling,
+            req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
+                rid, task.prompt_token_ids, output_ids, task.sampling,
                 handle.block_hashes if handle else [], blocks, tail, cache_salt=meta.cache_salt))
-            if handle is not None and handle.tail_key:
-                await asyncio.to_thread(self.store.delete, [handle.tail_key])
+            await self._drop_tail(task)
+            if replay:
+                self._replay(req, rid, output_ids)
             if req.done.done():  # aborted while its KV was loading
                 await self.engine_loop.call(lambda e: e.abort(rid))
             await req.done
@@ -156,6 +265,13 @@ class DecodeWorker(Worker):
         finally:
             self.active.pop(rid, None)
             self.consumer.notify_room()
+
+    async def _drop_tail(self, task: DecodeTask) -> None:
+        if task.kv is not None and task.kv.tail_key:
+            try:
+                await asyncio.to_thread(self.store.delete, [task.kv.tail_key])
+            except KVTransferError as exc:
+                self.log.warning("kv_tail_delete_failed", request_id=task.meta.request_id, error=exc.message)
 
 
 def main_entry() -> None:

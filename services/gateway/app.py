@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.admission import Admission
 from services.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,15 @@ from services.gateway.responses import Responses, sse
 from services.gateway.run import Choice, RequestRun
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
-from shared.errors import Aborted, InvalidRequest, ModelNotFound, PayloadTooLarge, PdError
+from shared.errors import (
+    Aborted,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    PayloadTooLarge,
+    PdError,
+    ServiceUnavailable,
+)
 from shared.logging import get_logger, request_scope
 from shared.messages import ChatMessage, RequestMeta, SamplingParams, TokenizeTask
 from shared.metrics import gateway_metrics
@@ -65,6 +74,7 @@ class Gateway:
         self.vocab_size = 0
         self.max_model_len = 0
         self.prompts: PromptProcessor | None = None
+        self.admission = Admission(settings)
         self.metrics = gateway_metrics()
         self.created = int(time.time())
 
@@ -106,6 +116,8 @@ class Gateway:
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                                  code="invalid_json") from None
+        except RecursionError:
+            raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise InvalidRequest("request body must be a JSON object", code="invalid_body")
         return data
@@ -146,21 +158,24 @@ class Gateway:
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
 
-    def _meta(self, request_id: str, now: float, req) -> RequestMeta:
+    def _meta(self, request_id: str, now: float, req, tenant: str) -> RequestMeta:
+        salt = req.cache_salt or ""
+        if tenant:
+            salt = f"{Admission.tenant_salt(tenant)}:{salt}"
         return RequestMeta(
             request_id=request_id,
             reply_to=self.client.inbox,
             model=self.model_name,
             created_at=now,
             deadline_at=now + self.settings.request_timeout_s,
-            cache_salt=req.cache_salt or "",
+            cache_salt=salt,
         )
 
     @staticmethod
     def _base_seed(req) -> int:
         return (req.seed % (1 << 63)) if req.seed is not None else random.getrandbits(63)
 
-    def chat_choices(self, req: ChatCompletionRequest, base_id: str) -> list[Choice]:
+    def chat_choices(self, req: ChatCompletionRequest, base_id: str, tenant: str = "") -> list[Choice]:
         """One pipeline request per choice; choice k samples with seed + k."""
         now = time.time()
         requested = req.requested_max_tokens()
@@ -169,7 +184,7 @@ class Gateway:
         seed = self._base_seed(req)
         return [
             Choice(index=k, prompt_index=0, task=TokenizeTask(
-                meta=self._meta(f"{base_id}-{k}", now, req),
+                meta=self._meta(f"{base_id}-{k}", now, req, tenant),
                 sampling=self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
                 messages=messages,
                 add_generation_prompt=req.add_generation_prompt,
@@ -178,7 +193,7 @@ class Gateway:
             for k in range(req.n)
         ]
 
-    def completion_choices(self, req: CompletionRequest, base_id: str) -> list[Choice]:
+    def completion_choices(self, req: CompletionRequest, base_id: str, tenant: str = "") -> list[Choice]:
         """One pipeline request per (prompt, choice); choice index = prompt * n + k."""
         now = time.time()
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
@@ -188,7 +203,7 @@ class Gateway:
             for k in range(req.n):
                 index = p * req.n + k
                 task = TokenizeTask(
-                    meta=self._meta(f"{base_id}-{index}", now, req),
+                    meta=self._meta(f"{base_id}-{index}", now, req, tenant),
                     sampling=self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=prompt if isinstance(prompt, list) else None,
@@ -214,22 +229,47 @@ class Gateway:
             raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
 
     # --- serving ----------------------------------------------------------------------------
-    async def serve(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str) -> Response:
-        self.client.check_ready()
+    def authenticate(self, request: Request) -> str:
+        """The caller's API key ("" when keys are off). Raises AuthenticationError (401)."""
+        return self.admission.authenticate(request.headers.get("authorization"))
 
-        async def check_client() -> None:
+    async def serve(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str,
+                    tenant: str) -> Response:
+        self.client.check_ready()
+        try:
+            self.admission.admit(tenant, self.client.queued)
+        except Overloaded as exc:
+            self.metrics["rejected"].labels(exc.code or "overloaded").inc()
+            raise
+
+        async def on_tick() -> None:
             if await request.is_disconnected():
                 raise Aborted("client disconnected")
+            down = self.client.stages_down(self.settings.stage_down_grace_s)
+            if down:
+                raise ServiceUnavailable(f"no live worker for stage(s) {', '.join(down)} for "
+                                         f"{self.settings.stage_down_grace_s:.0f}s")
 
         run = RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
-                         on_tick=check_client)
+                         on_tick=on_tick)
+        run.tenant = tenant  # type: ignore[attr-defined]
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
         if not req.stream:
             return await self._complete(endpoint, run, responses)
         return await self._stream(endpoint, run, responses)
 
-    async def _complete(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
+    def _begin(self) -> None:
+        self.admission.inflight += 1
         self.metrics["in_flight"].inc()
+
+    def _end(self, run: RequestRun) -> None:
+        self.admission.inflight -= 1
+        self.metrics["in_flight"].dec()
+        used = sum(c.num_prompt_tokens + c.num_tokens for c in run.choices)
+        self.admission.charge(getattr(run, "tenant", ""), used)
+
+    async def _complete(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
+        self._begin()
         try:
             async with run:
                 await run.wait_accepted()
@@ -237,18 +277,19 @@ class Gateway:
                     if delta is not None and delta.text:
                         self._observe_token(run)
         finally:
-            self.metrics["in_flight"].dec()
+            self._end(run)
         self._observe(endpoint, run, "ok")
         return JSONResponse(responses.complete(run.choices))
 
     async def _stream(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
+        self._begin()
         await run.__aenter__()
         try:
             await run.wait_accepted()
         except BaseException as exc:
+            self._end(run)
             await run.__aexit__(type(exc), exc, None)
             raise
-        self.metrics["in_flight"].inc()
 
         async def events() -> AsyncIterator[bytes]:
             outcome = "ok"
@@ -283,7 +324,7 @@ class Gateway:
                 exc_info = (type(exc), exc)
                 raise
             finally:
-                self.metrics["in_flight"].dec()
+                self._end(run)
                 await run.__aexit__(exc_info[0], exc_info[1], None)
                 self._observe(endpoint, run, outcome)
 
@@ -371,7 +412,8 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
     bodies = openapi_bodies()
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        gw.authenticate(request)
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": gw.created,
                                             "owned_by": "pdserve", "max_model_len": gw.max_model_len}]}
 
@@ -383,24 +425,29 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
 
     @app.post("/v1/chat/completions", openapi_extra=bodies["chat"])
     async def chat_completions(request: Request):
+        tenant = gw.authenticate(request)
         req = gw.parse(ChatCompletionRequest, await gw.read_json(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with request_scope(request_id, user=req.user or ""):
-            return await gw.serve(request, "chat", req, gw.chat_choices(req, request_id), request_id)
+            return await gw.serve(request, "chat", req, gw.chat_choices(req, request_id, tenant), request_id, tenant)
 
     @app.post("/v1/completions", openapi_extra=bodies["completion"])
     async def completions(request: Request):
+        tenant = gw.authenticate(request)
         req = gw.parse(CompletionRequest, await gw.read_json(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         with request_scope(request_id, user=req.user or ""):
-            return await gw.serve(request, "completion", req, gw.completion_choices(req, request_id), request_id)
+            return await gw.serve(request, "completion", req, gw.completion_choices(req, request_id, tenant),
+                                  request_id, tenant)
 
     @app.post("/tokenize", openapi_extra=bodies["tokenize"])
     async def tokenize(request: Request):
+        gw.authenticate(request)
         return gw.tokenize(gw.parse(TokenizeRequest, await gw.read_json(request)))
 
     @app.post("/detokenize", openapi_extra=bodies["detokenize"])
     async def detokenize(request: Request):
+        gw.authenticate(request)
         return gw.detokenize(gw.parse(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")

@@ -19,6 +19,7 @@ from shared.config import Settings
 from shared.errors import ServiceUnavailable
 from shared.logging import get_logger
 from shared.messages import Abort, Heartbeat, Message, TokenizeTask
+from shared.metrics import queue_metrics
 from shared.models import served_model_name
 from shared.registry import WorkerRegistry
 from shared.subjects import Protocol
@@ -41,6 +42,8 @@ class PipelineClient:
         self.nc: NATS | None = None
         self.js = None
         self._routes: dict[str, asyncio.Queue] = {}
+        self.backlog: dict[str, int] = {}
+        self.missing_since: dict[str, float] = {}
 
     async def start(self) -> None:
         self.nc = await bus.connect(self.settings, f"pdserve-{self.instance_id}")
@@ -49,6 +52,38 @@ class PipelineClient:
         await bus.subscribe_messages(self.nc, self.inbox, self._on_event)
         await bus.subscribe_messages(self.nc, self.protocol.heartbeat, self._on_heartbeat)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+        self._watch_task = asyncio.create_task(self._watch_loop())
+
+    async def _watch_loop(self) -> None:
+        """Every second: the work queues' backlogs, and since when each stage has had no
+        live worker."""
+        backlog_gauge = queue_metrics()
+        while True:
+            now = time.monotonic()
+            for stage in PIPELINE_STAGES:
+                if self.registry.live(stage):
+                    self.missing_since.pop(stage, None)
+                else:
+                    self.missing_since.setdefault(stage, now)
+            if self.js is not None and self.is_connected:
+                for queue in self.protocol.work_queues:
+                    try:
+                        info = await self.js.consumer_info(queue.stream, queue.durable, timeout=1.0)
+                        self.backlog[queue.stage] = info.num_pending or 0
+                        backlog_gauge.labels(queue.stage).set(info.num_pending or 0)
+                    except Exception:
+                        pass
+            await asyncio.sleep(1.0)
+
+    @property
+    def queued(self) -> int:
+        """Work items waiting for a tokenizer or prefill worker (not yet delivered)."""
+        return self.backlog.get("tokenizer", 0) + self.backlog.get("prefill", 0)
+
+    def stages_down(self, grace_s: float) -> list[str]:
+        """Stages that have had no live worker for longer than ``grace_s``."""
+        now = time.monotonic()
+        return [s for s, since in self.missing_since.items() if now - since > grace_s]
 
     async def _heartbeat_loop(self) -> None:
         """The gateway announces itself too (``pdserve status``, dashboards)."""
@@ -65,9 +100,9 @@ class PipelineClient:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def stop(self) -> None:
-        task = getattr(self, "_heartbeat_task", None)
-        if task is not None:
-            task.cancel()
+        for task in (getattr(self, "_heartbeat_task", None), getattr(self, "_watch_task", None)):
+            if task is not None:
+                task.cancel()
         if self.nc is not None:
             await bus.close(self.nc)
 

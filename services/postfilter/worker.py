@@ -30,16 +30,21 @@ from dataclasses import dataclass, field
 from services.common.runtime import RecentSet, Worker, main
 from services.postfilter.text import Detokenizer, StopMatcher, TokenText
 from shared import bus
+from shared.errors import PoisonMessage
 from shared.messages import (
     Abort,
     ErrorEvent,
     OutputLogprob,
+    ResumeQuery,
+    ResumeState,
     StreamSpec,
     TextChunk,
     TokenChunk,
     TokenLogprob,
     TopLogprob,
     Usage,
+    decode_as,
+    encode,
 )
 from shared.metrics import stage_metrics
 
@@ -82,7 +87,23 @@ class PostfilterWorker(Worker):
 
     async def serve(self) -> None:
         await bus.subscribe_messages(self.nc, self.inbox, self._on_message)
+        await self.nc.subscribe(self.protocol.postfilter_resume(self.inbox), cb=self._on_resume)
         self.spawn(self._expire_loop(), "expire")
+
+    async def _on_resume(self, msg) -> None:
+        """A decode worker took over one of our requests: tell it which tokens we have."""
+        try:
+            query = decode_as(msg.data, ResumeQuery)
+        except PoisonMessage:
+            return
+        rid = query.request_id
+        st = self.states.get(rid)
+        if st is not None:
+            state = ResumeState(request_id=rid, output_token_ids=list(st.detok.token_ids), known=True)
+        else:
+            state = ResumeState(request_id=rid, known=rid in self.finished, finished=rid in self.finished)
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(state))
 
     def heartbeat_fields(self) -> dict:
         return {"inbox": getattr(self, "inbox", ""), "num_running": len(getattr(self, "states", {}))}

@@ -31,8 +31,8 @@ from services.common.consumer import PullConsumer, WorkItem
 from services.common.engine_loop import EngineLoop
 from services.common.runtime import Worker, main
 from shared import bus
-from shared.errors import Aborted, EngineError, ServiceUnavailable
-from shared.kv import block_key, open_store, tail_key
+from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
+from shared.kv import BLOCK, TAIL, block_key, open_store, tail_key
 from shared.messages import (
     Abort,
     DecodeTask,
@@ -44,6 +44,9 @@ from shared.messages import (
 )
 from shared.metrics import kv_metrics, stage_metrics
 from shared.registry import WorkerRegistry
+
+#: Seconds between sweeps of expired staged KV (and updates of the staged-bytes gauge).
+REAP_INTERVAL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -114,10 +117,14 @@ class PrefillWorker(Worker):
         self.engine_loop.stop()
 
     async def _reap_loop(self) -> None:
+        """Free expired (abandoned) staged KV, and report what is staged."""
         while True:
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(REAP_INTERVAL_S)
             try:
                 await asyncio.to_thread(self.store.reap)
+                for kind in (BLOCK, TAIL):
+                    staged = await asyncio.to_thread(self.store.staged_bytes, kind)
+                    self.kv_metrics["staged_bytes"].labels(kind).set(staged)
             except Exception as exc:
                 self.log.warning("kv_reap_failed", error=str(exc))
 
@@ -213,15 +220,7 @@ class PrefillWorker(Worker):
         local_hits = max(0, seq.num_cached_tokens - store_hit_tokens)
         if local_hits:
             self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(local_hits)
-        spec = StreamSpec(
-            reply_to=meta.reply_to,
-            stop=sp.stop,
-            skip_special_tokens=sp.skip_special_tokens,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            deadline_at=meta.deadline_at,
-        )
+        spec = StreamSpec.of(meta, sp, seq.num_prompt_tokens, seq.num_cached_tokens)
         self.post(postfilter, TokenChunk(
             request_id=meta.request_id, index=0, token_ids=out.new_token_ids, spec=spec,
             finish_reason=out.finish_reason, logprobs=out.logprobs if sp.logprobs is not None else None,
@@ -231,7 +230,15 @@ class PrefillWorker(Worker):
             await item.ack()
             return
         started = time.perf_counter()
-        handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv, self.engine.layout)
+        try:
+            handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv,
+                                                      self.engine.layout)
+        except KVTransferError as exc:
+            if self.settings.kv_failure_policy == "fail":
+                raise
+            # the store is down: decode recomputes the prompt rather than failing the request
+            self.log.warning("kv_stage_failed_decode_recomputes", request_id=meta.request_id, error=exc.message)
+            handle, written = None, 0
         self.kv_metrics["put_bytes"].inc(written)
         self.kv_metrics["put_seconds"].inc(time.perf_counter() - started)
         decode = DecodeTask(

@@ -1,0 +1,268 @@
+"""The gateway in-process against a fake pipeline (no NATS): admission (401, 429), deadlines,
+mid-stream errors, disconnects and text de-duplication, deterministically and fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from services.gateway.app import create_app
+from shared.config import Settings
+from shared.messages import Accepted, ErrorEvent, TextChunk, TokenizeTask, Usage
+from shared.registry import WorkerRegistry
+
+
+class FakePipeline:
+    """Stands in for PipelineClient. ``script(task)`` returns (delay_s, event) pairs that are
+    delivered to the request's queue after its submit; None means the pipeline stays silent."""
+
+    def __init__(self, script):
+        self.script = script
+        self.instance_id = "gateway-fake"
+        self.inbox = "fake.inbox"
+        self.registry = WorkerRegistry(5.0)
+        self.routes: dict[str, asyncio.Queue] = {}
+        self.submitted: list[TokenizeTask] = []
+        self.aborted: list[tuple[str, str]] = []
+        self.queued = 0
+        self.down: list[str] = []
+        self.is_connected = True
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    def missing_stages(self):
+        return []
+
+    def check_ready(self):
+        pass
+
+    def stages_down(self, grace_s):
+        return self.down
+
+    def register(self, rid, queue):
+        self.routes[rid] = queue
+
+    def unregister(self, rid):
+        self.routes.pop(rid, None)
+
+    async def submit(self, task: TokenizeTask):
+        self.submitted.append(task)
+        events = self.script(task)
+        if events is None:
+            return
+
+        async def deliver():
+            for delay, event in events:
+                await asyncio.sleep(delay)
+                q = self.routes.get(task.meta.request_id)
+                if q is not None:
+                    q.put_nowait(event)
+
+        asyncio.get_running_loop().create_task(deliver())
+
+    async def abort(self, rid, reason):
+        self.aborted.append((rid, reason))
+
+
+def texts(rid: str, pieces: list[str], finish: str = "stop", gap: float = 0.0) -> list:
+    out = [(0.0, Accepted(request_id=rid, num_prompt_tokens=5, max_tokens=16))]
+    offset = 0
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out.append((gap, TextChunk(request_id=rid, text=p, text_offset=offset, num_tokens=i + 1,
+                                   finish_reason=finish if last else None,
+                                   usage=Usage(5, len(pieces), 0) if last else None)))
+        offset += len(p)
+    return out
+
+
+def make(tiny_model_dir, script, **settings):
+    s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=settings.pop("stall_timeout_s", 2.0),
+                          **settings)
+    fake = FakePipeline(script)
+    app = create_app(s, client=fake)
+    app.state.gateway.load_model()
+    return app, fake
+
+
+def client_for(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=30)
+
+
+BODY = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_text_resent_after_failover_is_not_duplicated(tiny_model_dir):
+    def script(task):
+        rid = task.meta.request_id
+        return [(0, Accepted(request_id=rid, num_prompt_tokens=3, max_tokens=8)),
+                (0, TextChunk(request_id=rid, text="Hello", text_offset=0, num_tokens=1)),
+                # a new postfilter replays from the start, then goes on
+                (0, TextChunk(request_id=rid, text="Hello wor", text_offset=0, num_tokens=2)),
+                (0, TextChunk(request_id=rid, text="ld", text_offset=9, num_tokens=3, finish_reason="length",
+                              usage=Usage(3, 3, 0)))]
+
+    app, _ = make(tiny_model_dir, script)
+
+    async def go():
+        async with client_for(app) as c:
+            return (await c.post("/v1/chat/completions", json=BODY)).json()
+
+    body = run(go())
+    assert body["choices"][0]["message"]["content"] == "Hello world"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_silent_pipeline_times_out_with_504_and_aborts(tiny_model_dir):
+    app, fake = make(tiny_model_dir, lambda task: None, stall_timeout_s=1.0)
+
+    async def go():
+        async with client_for(app) as c:
+            t0 = time.monotonic()
+            resp = await c.post("/v1/chat/completions", json=BODY)
+            return resp, time.monotonic() - t0
+
+    resp, elapsed = run(go())
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+    assert 0.9 < elapsed < 3.0
+    assert fake.aborted and fake.aborted[0][1] == "deadline"
+
+
+def test_mid_stream_error_is_a_final_event_then_done(tiny_model_dir):
+    def script(task):
+        rid = task.meta.request_id
+        return [*texts(rid, ["a", "b"], finish=None)[:2],
+                (0.05, ErrorEvent(request_id=rid, status=500, message="decode failed", code="engine_error"))]
+
+    app, _ = make(tiny_model_dir, script)
+
+    async def go():
+        async with client_for(app) as c:
+            resp = await c.post("/v1/chat/completions", json={**BODY, "stream": True})
+            return resp.status_code, resp.content
+
+    status, raw = run(go())
+    assert status == 200
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    err = json.loads(events[-3][len(b"data: "):])
+    assert err["error"]["code"] == "engine_error" and err["error"]["message"] == "decode failed"
+
+
+def test_stream_that_stalls_mid_way_ends_with_timeout_event(tiny_model_dir):
+    def script(task):
+        return texts(task.meta.request_id, ["x", "y", "z"], gap=0.0)[:2]  # never finishes
+
+    app, fake = make(tiny_model_dir, script, stall_timeout_s=1.0)
+
+    async def go():
+        async with client_for(app) as c:
+            resp = await c.post("/v1/chat/completions", json={**BODY, "stream": True})
+            return resp.content
+
+    raw = run(go())
+    assert b'"code":"timeout"' in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert fake.aborted
+
+
+def test_stage_down_fails_waiting_requests_with_503(tiny_model_dir):
+    app, fake = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["x"])[:1], stall_timeout_s=30.0)
+    fake.down = ["decode"]
+
+    async def go():
+        async with client_for(app) as c:
+            return await c.post("/v1/chat/completions", json=BODY)
+
+    resp = run(go())
+    assert resp.status_code == 503 and "decode" in resp.json()["error"]["message"]
+
+
+def test_api_keys(tiny_model_dir):
+    app, fake = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["ok"]), api_keys="k1,k2")
+
+    async def go():
+        async with client_for(app) as c:
+            none = await c.post("/v1/chat/completions", json=BODY)
+            wrong = await c.post("/v1/chat/completions", json=BODY, headers={"Authorization": "Bearer nope"})
+            ok1 = await c.post("/v1/chat/completions", json=BODY, headers={"Authorization": "Bearer k1"})
+            ok2 = await c.post("/v1/chat/completions", json=BODY, headers={"Authorization": "Bearer k2"})
+            models = await c.get("/v1/models")
+            return none, wrong, ok1, ok2, models
+
+    none, wrong, ok1, ok2, models = run(go())
+    assert none.status_code == wrong.status_code == models.status_code == 401
+    assert none.json()["error"]["type"] == "authentication_error"
+    assert ok1.status_code == ok2.status_code == 200
+    salts = {t.meta.cache_salt for t in fake.submitted}
+    assert len(salts) == 2  # each key has its own prefix cache
+
+
+def test_inflight_limit_and_backlog_give_429_with_retry_after(tiny_model_dir):
+    app, fake = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["slow"], gap=0.5),
+                     max_inflight_requests=1)
+
+    async def go():
+        async with client_for(app) as c:
+            first = asyncio.create_task(c.post("/v1/chat/completions", json=BODY))
+            await asyncio.sleep(0.1)
+            second = await c.post("/v1/chat/completions", json=BODY)
+            fake.queued = 10_000
+            await first
+            third = await c.post("/v1/chat/completions", json=BODY)
+            return (await first), second, third
+
+    first, second, third = run(go())
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert third.status_code == 429 and "queued" in third.json()["error"]["message"]
+
+
+def test_token_rate_limit_per_key(tiny_model_dir):
+    app, _ = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["a", "b", "c"]), api_keys="k1,k2",
+                  rate_limit_tokens_per_minute=6)
+
+    async def go():
+        async with client_for(app) as c:
+            h1, h2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+            a = await c.post("/v1/chat/completions", json=BODY, headers=h1)  # spends 5 + 3 = 8 > 6
+            b = await c.post("/v1/chat/completions", json=BODY, headers=h1)
+            other = await c.post("/v1/chat/completions", json=BODY, headers=h2)
+            return a, b, other
+
+    a, b, other = run(go())
+    assert a.status_code == 200
+    assert b.status_code == 429 and b.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(b.headers["retry-after"]) >= 1
+    assert other.status_code == 200
+
+
+def test_openapi_documents_request_bodies(tiny_model_dir):
+    app, _ = make(tiny_model_dir, lambda task: None)
+    spec = app.openapi()
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "messages" in body["properties"] and "messages" in body["required"]
+
+
+@pytest.mark.parametrize("raw", [b"NaN", b'{"model": "tiny-llama", "max_tokens": NaN}', b"[" * 100000])
+def test_hostile_json_is_a_400(tiny_model_dir, raw):
+    app, _ = make(tiny_model_dir, lambda task: None)
+
+    async def go():
+        async with client_for(app) as c:
+            return await c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+
+    resp = run(go())
+    assert resp.status_code == 400, resp.text
