@@ -37,6 +37,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_chunk_tokens: int = 0
     max_model_len: int = 0
     kv_cache_memory_bytes: int = 1 << 30
     num_kv_blocks: int = 0
@@ -113,7 +114,8 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
                                      self.dtype, self.device, config.model_id)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.kv_cache)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}

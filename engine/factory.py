@@ -20,6 +20,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_prefill_chunk_tokens=settings.max_prefill_chunk_tokens,
         max_model_len=settings.max_model_len,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         enable_prefix_caching=settings.enable_prefix_caching,

@@ -55,12 +55,16 @@ class Scheduler:
         block_manager: the worker's KV pool bookkeeping.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget of one step.
+        max_prefill_chunk_tokens: most tokens of one sequence in one step (0 = the budget), so
+            one long prompt cannot hold a whole step.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_chunk = max_prefill_chunk_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -87,7 +91,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
             if n <= 0:
                 i += 1
                 continue
@@ -109,7 +113,7 @@ class Scheduler:
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
             num_computed = seq.num_computed_tokens + len(computed) * bm.block_size
-            n = min(seq.num_tokens - num_computed, budget)
+            n = min(seq.num_tokens - num_computed, budget, self.max_chunk)
             if not bm.can_allocate(seq, n, computed):
                 break
             self.waiting.popleft()

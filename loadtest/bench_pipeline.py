@@ -81,7 +81,7 @@ def bench_pipeline(settings: Settings, prompts: list[str], max_tokens: int, mode
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         reps = {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1}
-        dep = launcher.up(settings, reps, detach=False, state_dir=Path(tmp), ready_timeout_s=600, quiet=True)
+        dep = launcher.up(settings, reps, state_dir=Path(tmp), ready_timeout_s=600, quiet=True)
         try:
             with httpx.Client(base_url=dep.url, timeout=300) as client:
                 def one(prompt: str, n: int) -> tuple[float, float]:

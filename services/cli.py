@@ -60,13 +60,21 @@ def cmd_up(args) -> int:
     replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.decode,
                 "postfilter": args.postfilter, "gateway": 1}
     state_dir = _state_dir(args, settings)
-    dep = launcher.up(settings, replicas, args.detach, state_dir, args.ready_timeout)
-    print(f"pdserve is ready at {dep.url}  (OpenAI API: {dep.url}/v1, model '{_model_name(settings)}')", flush=True)
-    print(f"logs: {state_dir / 'logs'}", flush=True)
+
+    def start():
+        return launcher.up(settings, replicas, state_dir, args.ready_timeout)
+
     if args.detach:
+        print("pdserve: starting in the background ...", flush=True)
+        url = launcher.detach(start, state_dir, args.ready_timeout)
+        print(f"pdserve is ready at {url}  (OpenAI API: {url}/v1, model '{_model_name(settings)}')", flush=True)
+        print(f"logs: {state_dir / 'logs'}", flush=True)
         print(f"stop it with: {_me()} down", flush=True)
         return 0
-    print("Ctrl-C stops it.", flush=True)
+    dep = start()
+    print(f"pdserve is ready at {dep.url}  (OpenAI API: {dep.url}/v1, model '{_model_name(settings)}')", flush=True)
+    print(f"logs: {state_dir / 'logs'}", flush=True)
+    print("Ctrl-C stops it; services that die are restarted.", flush=True)
     return launcher.run_foreground(dep)
 
 

@@ -33,6 +33,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -40,7 +41,6 @@ class Deployment:
     settings: Settings
     state_dir: Path
     replicas: dict[str, int]
-    detach: bool = False
     procs: list[Proc] = field(default_factory=list)
     nats_proc: subprocess.Popen | None = None
     redis_proc: subprocess.Popen | None = None
@@ -106,7 +106,7 @@ def ensure_nats(dep: Deployment) -> None:
     log = open(dep.state_dir / "logs" / "nats-server.log", "ab")
     dep.nats_proc = subprocess.Popen(
         [binary, "-a", host, "-p", str(port), "-js", "-sd", str(store)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=dep.detach,
+        stdout=log, stderr=subprocess.STDOUT,
     )
     dep.say(f"started nats-server ({binary}) on {host}:{port}, pid {dep.nats_proc.pid}")
     end = time.monotonic() + 15
@@ -140,7 +140,7 @@ def ensure_redis(dep: Deployment) -> None:
     args = [binary, str(conf)] if conf.exists() else [binary]
     log = open(dep.state_dir / "logs" / "redis-server.log", "ab")
     dep.redis_proc = subprocess.Popen([*args, "--port", str(port), "--bind", host], stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=dep.detach)
+                                      stderr=subprocess.STDOUT)
     end = time.monotonic() + 10
     while time.monotonic() < end:
         try:
@@ -161,31 +161,70 @@ def torch_threads(settings: Settings, replicas: dict[str, int]) -> int:
     return max(1, cores // max(1, workers))
 
 
-def start_services(dep: Deployment) -> None:
-    logs = dep.state_dir / "logs"
-    base_env = {k: v for k, v in os.environ.items()}
+def spawn(dep: Deployment, name: str) -> Proc:
+    """Start one service process (``name`` is ``<stage>-<i>``), logging to ``logs/<name>.log``."""
+    stage = name.rsplit("-", 1)[0]
     threads = torch_threads(dep.settings, dep.replicas)
+    env = dict(os.environ)
+    env.update(dep.settings.to_env())
+    env["PD_INSTANCE_ID"] = f"{name}-{os.urandom(3).hex()}"
+    env["PD_METRICS_PORT"] = "0" if stage != "gateway" else str(dep.settings.metrics_port)
+    env["PD_TORCH_THREADS"] = str(threads)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars inside JSON logs
+    env.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach a hub
+    log_path = dep.state_dir / "logs" / f"{name}.log"
+    log = open(log_path, "ab")
+    log.write(f"\n=== pdserve {time.strftime('%Y-%m-%dT%H:%M:%S')} start {name} ===\n".encode())
+    log.flush()
+    popen = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], env=env, stdout=log,
+                             stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+    log.close()
+    return Proc(name, popen, log_path)
+
+
+def start_services(dep: Deployment) -> None:
     for stage in STAGES:
         for i in range(dep.replicas.get(stage, 1)):
-            name = f"{stage}-{i}"
-            env = dict(base_env)
-            env.update(dep.settings.to_env())
-            env["PD_INSTANCE_ID"] = f"{name}-{os.urandom(3).hex()}"
-            env["PD_METRICS_PORT"] = "0"
-            env["PD_TORCH_THREADS"] = str(threads)
-            env.setdefault("OMP_NUM_THREADS", str(threads))
-            env["PYTHONUNBUFFERED"] = "1"
-            env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars inside JSON logs
-            env.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach a hub
-            log_path = logs / f"{name}.log"
-            log = open(log_path, "ab")
-            log.write(f"\n=== pdserve up {time.strftime('%Y-%m-%dT%H:%M:%S')} {name} ===\n".encode())
-            log.flush()
-            popen = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=dep.detach,
-                                     cwd=Path(__file__).resolve().parents[1])
-            dep.procs.append(Proc(name, popen, log_path))
-    dep.say("started " + ", ".join(f"{p.name} (pid {p.popen.pid})" for p in dep.procs) + f"; logs in {logs}")
+            dep.procs.append(spawn(dep, f"{stage}-{i}"))
+    dep.say("started " + ", ".join(f"{p.name} (pid {p.popen.pid})" for p in dep.procs)
+            + f"; logs in {dep.state_dir / 'logs'}")
+
+
+class Supervisor:
+    """Restarts service processes that exit while the deployment runs, with a back-off that
+    doubles per quick crash (1 s … 30 s) and resets after a minute of running."""
+
+    def __init__(self, dep: Deployment):
+        self.dep = dep
+        self.backoff: dict[str, float] = {}
+        self.due: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
+
+    def poll(self) -> list[str]:
+        """Restart what has died (once its back-off has passed); returns names restarted."""
+        now = time.monotonic()
+        restarted = []
+        for i, p in enumerate(self.dep.procs):
+            code = p.popen.poll()
+            if code is None:
+                if now - p.started_at > 60:
+                    self.backoff.pop(p.name, None)
+                continue
+            if p.name not in self.due:
+                delay = self.backoff.get(p.name, 0.0)
+                self.backoff[p.name] = min(30.0, max(1.0, delay * 2))
+                self.due[p.name] = now + delay
+                self.dep.say(f"{p.name} exited with {code}; restarting in {delay:.0f}s (log: {p.log_path})")
+            if now >= self.due[p.name]:
+                del self.due[p.name]
+                self.dep.procs[i] = spawn(self.dep, p.name)
+                self.restarts[p.name] = self.restarts.get(p.name, 0) + 1
+                restarted.append(p.name)
+        if restarted:
+            write_state(self.dep)
+        return restarted
 
 
 def gateway_ready(url: str) -> tuple[bool, str]:
@@ -260,7 +299,7 @@ def state_file(state_dir: Path) -> Path:
     return state_dir / "state.json"
 
 
-def up(settings: Settings, replicas: dict[str, int], detach: bool, state_dir: Path, ready_timeout_s: float,
+def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_timeout_s: float,
        quiet: bool = False) -> Deployment:
     """Start a deployment; returns once the gateway is ready (or raises SystemExit)."""
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -268,9 +307,9 @@ def up(settings: Settings, replicas: dict[str, int], detach: bool, state_dir: Pa
     existing = state_file(state_dir)
     if existing.exists():
         state = json.loads(existing.read_text())
-        if any(_alive(pid) for pid in state.get("pids", [])):
+        if any(_alive(pid) for pid in [*state.get("pids", []), state.get("launcher_pid") or 0] if pid):
             raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
-    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, detach=detach, quiet=quiet)
+    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet)
     from engine.model_loader import ensure_model
 
     folder = ensure_model(settings, progress=not quiet)
@@ -278,14 +317,20 @@ def up(settings: Settings, replicas: dict[str, int], detach: bool, state_dir: Pa
     ensure_nats(dep)
     ensure_redis(dep)
     start_services(dep)
-    existing.write_text(json.dumps({
+    write_state(dep)
+    wait_ready(dep, ready_timeout_s)
+    return dep
+
+
+def write_state(dep: Deployment) -> None:
+    """``state.json``: the supervising launcher's pid, the services' and infra pids, the URL."""
+    state_file(dep.state_dir).write_text(json.dumps({
+        "launcher_pid": os.getpid(),
         "pids": [p.popen.pid for p in dep.procs],
         "infra_pids": [p.pid for p in (dep.nats_proc, dep.redis_proc) if p is not None],
         "url": dep.url,
-        "started_at": time.time(),
+        "updated_at": time.time(),
     }))
-    wait_ready(dep, ready_timeout_s)
-    return dep
 
 
 def _alive(pid: int) -> bool:
@@ -297,7 +342,7 @@ def _alive(pid: int) -> bool:
 
 
 def run_foreground(dep: Deployment) -> int:
-    """Wait for Ctrl-C (or a dead service), then stop everything."""
+    """Supervise until SIGINT/SIGTERM (restarting services that die), then stop everything."""
     stop = {"flag": False}
 
     def handler(signum, frame):
@@ -305,30 +350,80 @@ def run_foreground(dep: Deployment) -> int:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
-    code = 0
+    supervisor = Supervisor(dep)
     try:
         while not stop["flag"]:
-            dead = [p for p in dep.procs if p.popen.poll() is not None]
-            if dead:
-                for p in dead:
-                    dep.say(f"{p.name} exited with {p.popen.returncode}; see {p.log_path}")
-                code = 1
-                break
-            time.sleep(0.5)
+            supervisor.poll()
+            time.sleep(0.25)
     finally:
         dep.say("stopping")
         stop_all(dep)
         state_file(dep.state_dir).unlink(missing_ok=True)
         dep.say("stopped")
-    return code
+    return 0
+
+
+def detach(run_up, state_dir: Path, ready_timeout_s: float) -> str:
+    """Run ``run_up()`` (start + supervise) in a daemon process; return its URL once ready.
+
+    The daemon is this process forked before anything heavy runs: it starts the services as
+    its own children, supervises them, and stops them on SIGTERM (``pdserve down``).
+
+    Raises:
+        SystemExit: the daemon failed to start the deployment.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "logs").mkdir(exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(read_fd)
+        os.setsid()
+        log = os.open(state_dir / "logs" / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        code = 1
+        try:
+            dep = run_up()
+            os.write(write_fd, f"ready {dep.url}\n".encode())
+            os.close(write_fd)
+            code = run_foreground(dep)
+        except SystemExit as exc:
+            os.write(write_fd, f"failed {exc}\n".encode())
+        except BaseException as exc:  # report anything to the waiting parent
+            os.write(write_fd, f"failed {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    buf = b""
+    end = time.monotonic() + ready_timeout_s + 30
+    with os.fdopen(read_fd, "rb") as pipe:
+        while time.monotonic() < end:
+            chunk = pipe.read(4096)
+            if not chunk:
+                break
+            buf += chunk
+            if buf.endswith(b"\n"):
+                break
+    message = buf.decode(errors="replace").strip()
+    if message.startswith("ready "):
+        return message[len("ready "):]
+    raise SystemExit(f"pdserve: the background launcher failed: {message or 'no answer'}; "
+                     f"see {state_dir / 'logs' / 'launcher.log'}")
 
 
 def down(state_dir: Path) -> bool:
-    """Stop a detached deployment. False when none was running."""
+    """Stop a detached deployment: its supervising launcher stops the services; whatever is
+    left after that is stopped directly. False when none was running."""
     path = state_file(state_dir)
     if not path.exists():
         return False
     state = json.loads(path.read_text())
+    launcher = state.get("launcher_pid")
+    if launcher and launcher != os.getpid() and _alive(launcher):
+        stop_pids([launcher], timeout_s=60)
     stop_pids([p for p in state.get("pids", []) if _alive(p)])
     stop_pids([p for p in state.get("infra_pids", []) if _alive(p)], timeout_s=5)
     path.unlink(missing_ok=True)

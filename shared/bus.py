@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from shared import messages
 from shared.config import Settings
-from shared.errors import ServiceUnavailable
+from shared.errors import PayloadTooLarge, ServiceUnavailable
 from shared.logging import get_logger
 from shared.subjects import Protocol, WorkQueue
 
@@ -160,9 +160,13 @@ async def publish_task(
     redelivery of the task that produced this one) never queues the work twice.
 
     Raises:
+        PayloadTooLarge: the message is over the server's max_payload.
         ServiceUnavailable: JetStream did not take the message after a few tries.
     """
     payload = messages.encode(message)
+    limit = js._nc.max_payload
+    if limit and len(payload) > limit - 1024:
+        raise PayloadTooLarge(f"the request is {len(payload)} bytes on the bus; at most {limit - 1024} fit")
     hdrs = {"Nats-Msg-Id": queue.msg_id(request_id), **(headers or {})}
     try:
         async for attempt in AsyncRetrying(

@@ -68,6 +68,11 @@ class Settings:
     max_num_batched_tokens: int = _doc(
         "Token budget of one engine step; longer prompts are prefilled in chunks.", default=2048
     )
+    max_prefill_chunk_tokens: int = _doc(
+        "Most tokens of one prompt in one step, so a long prompt cannot hold a whole step and "
+        "shorter prompts prefill beside it (vLLM's long_prefill_token_threshold). 0 = no cap.",
+        default=512,
+    )
     max_model_len: int = _doc(
         "Context length (prompt + output tokens); 0 = the model's max_position_embeddings.",
         default=0,
@@ -100,9 +105,21 @@ class Settings:
         "Deadline of a whole request; past it the client gets an error.", default=600.0
     )
     stall_timeout_s: float = _doc(
-        "Longest wait for the next pipeline event of a request before it fails.", default=60.0
+        "Once a request streams, the longest wait for its next event before it fails.", default=30.0
     )
-    max_request_body_bytes: int = _doc("Largest accepted HTTP body.", default=4 << 20)
+    first_token_timeout_s: float = _doc(
+        "Before the first token, the longest silence (queueing behind other prompts included; a "
+        "busy prefill reports progress) before a request fails.",
+        default=120.0,
+    )
+    max_request_body_bytes: int = _doc(
+        "Largest accepted HTTP body (it must fit one NATS message with room to spare).", default=512 << 10
+    )
+    shutdown_drain_s: float = _doc(
+        "On SIGTERM the gateway refuses new requests and lets open ones run this long, then ends "
+        "them with an error event and aborts them.",
+        default=8.0,
+    )
     max_inflight_requests: int = _doc(
         "Requests one gateway serves at once; more get 429 with Retry-After. 0 = no limit.", default=256
     )

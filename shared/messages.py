@@ -283,6 +283,26 @@ class ResumeState(_Message, tag="resume_state"):
     finished: bool = False
 
 
+class Progress(_Message, tag="progress"):
+    """A stage → gateway: the request is being worked on (a long prefill), so silence on its
+    stream is not a stall."""
+
+    request_id: str
+    stage: str
+
+
+class StatusQuery(_Message, tag="status_query"):
+    """A worker → the gateway that owns a request (request/reply): is it still wanted? Asked
+    before redelivered or old work is started, so nobody computes for a client that left."""
+
+    request_id: str
+
+
+class RequestStatus(_Message, tag="request_status"):
+    request_id: str
+    open: bool
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     """Every worker, every ``heartbeat_interval_s``. ``inbox`` is the worker's own subject
     (postfilter instances receive token streams there). ``ready`` is false until the model or
@@ -311,6 +331,9 @@ Message = Union[  # noqa: UP007 (a runtime union for msgspec)
     Abort,
     ResumeQuery,
     ResumeState,
+    Progress,
+    StatusQuery,
+    RequestStatus,
     Heartbeat,
 ]
 

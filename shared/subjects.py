@@ -75,6 +75,11 @@ class Protocol:
         """Core NATS: Accepted / TextChunk / ErrorEvent for one gateway instance's requests."""
         return f"{self.namespace}.gateway.{instance_id}.events"
 
+    def gateway_status(self, reply_to: str) -> str:
+        """Core NATS request/reply: StatusQuery → RequestStatus, at the gateway whose event
+        inbox is ``reply_to``."""
+        return reply_to.removesuffix(".events") + ".status"
+
     @property
     def abort(self) -> str:
         """Core NATS broadcast: Abort, seen by every worker of every stage."""

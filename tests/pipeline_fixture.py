@@ -35,7 +35,7 @@ def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] |
     settings = Settings.from_env({}, **fields)
     reps = {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1}
     reps.update(replicas or {})
-    dep = launcher.up(settings, reps, detach=False, state_dir=tmp / f"state-{namespace}", ready_timeout_s=300,
+    dep = launcher.up(settings, reps, state_dir=tmp / f"state-{namespace}", ready_timeout_s=300,
                       quiet=True)
     try:
         yield dep

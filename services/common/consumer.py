@@ -92,7 +92,8 @@ class PullConsumer:
         worker: the owning :class:`~services.common.runtime.Worker`.
         queue: the work queue.
         kind: expected message type; anything else is poison.
-        handler: coroutine run per item; it acks (or naks) the item.
+        handler: coroutine run per item; it acks (or naks) the item, and may return an
+            outcome label for metrics ("ok" when it returns None).
         capacity: how many more items the worker can take now.
         max_batch: most items per fetch.
     """
@@ -183,7 +184,7 @@ class PullConsumer:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            await self.handler(item)
+            outcome = await self.handler(item) or "ok"
         except PdError as exc:
             outcome = exc.code or exc.type
             if exc.ack_action == "nak" and not item.is_last_delivery and not self.worker.stopping.is_set():

@@ -17,13 +17,24 @@ import time
 import uuid
 from collections import OrderedDict
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from shared import bus
 from shared.config import Settings
 from shared.logging import configure_logging, get_logger
-from shared.messages import Abort, ErrorEvent, Heartbeat, Message
+from shared.messages import (
+    Abort,
+    ErrorEvent,
+    Heartbeat,
+    Message,
+    RequestMeta,
+    RequestStatus,
+    StatusQuery,
+    decode_as,
+    encode,
+)
 from shared.metrics import ProbeServer
 from shared.models import served_model_name
 from shared.subjects import Protocol
@@ -71,6 +82,7 @@ class Worker:
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.aborted = RecentSet()
+        self.started_at = time.time()
         self.ready = False
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -112,6 +124,24 @@ class Worker:
             event = ErrorEvent(request_id=request_id, status=500, message=f"{self.stage} failed: {exc}",
                                type="server_error", code="internal_error")
         await self.publish(reply_to, event)
+
+    async def still_wanted(self, meta: RequestMeta, num_delivered: int) -> bool:
+        """Whether to start work on a request. Aborted or past-deadline requests are not.
+        Redelivered work, or work queued before this worker started (it missed any Abort
+        broadcast since), is checked with the request's gateway: gone (no responder) or
+        closed means no; no answer in time means yes."""
+        if meta.request_id in self.aborted or time.time() > meta.deadline_at:
+            return False
+        if num_delivered <= 1 and meta.created_at >= self.started_at:
+            return True
+        try:
+            reply = await self.nc.request(self.protocol.gateway_status(meta.reply_to),
+                                          encode(StatusQuery(request_id=meta.request_id)), timeout=1.0)
+            return decode_as(reply.data, RequestStatus).open
+        except nats.errors.NoRespondersError:
+            return False
+        except Exception:
+            return True
 
     async def publish(self, subject: str, message: Message) -> None:
         try:

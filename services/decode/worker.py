@@ -230,17 +230,17 @@ class DecodeWorker(Worker):
             self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "local").inc(num_local * handle.layout.block_size)
         return blocks, tail
 
-    async def handle(self, item: WorkItem) -> None:
+    async def handle(self, item: WorkItem) -> str | None:
         task: DecodeTask = item.message  # type: ignore[assignment]
         meta = task.meta
         rid = meta.request_id
         if rid in self.active:
             item.done = True  # redelivery of a request running here: the first delivery acks
             return
-        if rid in self.aborted or time.time() > meta.deadline_at:
+        if not await self.still_wanted(meta, item.num_delivered):
             await self._drop_tail(task)
             await item.ack()
-            return
+            return "dropped"
         req = ActiveRequest(task, asyncio.get_running_loop().create_future(), task.postfilter)
         self.active[rid] = req
         try:
@@ -249,7 +249,7 @@ class DecodeWorker(Worker):
                 output_ids, replay, finished = await self._resume_point(req, rid)
             if finished:
                 await item.ack()
-                return
+                return "already_finished"
             blocks, tail = await self._fetch_kv(task)
             handle = task.kv
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
@@ -260,8 +260,9 @@ class DecodeWorker(Worker):
                 self._replay(req, rid, output_ids)
             if req.done.done():  # aborted while its KV was loading
                 await self.engine_loop.call(lambda e: e.abort(rid))
-            await req.done
+            reason = await req.done
             await item.ack()
+            return "aborted" if reason == "abort" else "ok"
         finally:
             self.active.pop(rid, None)
             self.consumer.notify_room()

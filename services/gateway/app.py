@@ -55,6 +55,14 @@ from shared.models import is_complete, model_dir, served_model_name
 log = get_logger("gateway")
 
 KEEPALIVE_S = 15.0
+ENDPOINT_LABELS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/models": "models",
+    "/v1/models/{model_id:path}": "models",
+}
 
 
 def error_response(exc: PdError) -> JSONResponse:
@@ -75,6 +83,7 @@ class Gateway:
         self.max_model_len = 0
         self.prompts: PromptProcessor | None = None
         self.admission = Admission(settings)
+        self.shutting_down_at: float | None = None
         self.metrics = gateway_metrics()
         self.created = int(time.time())
 
@@ -113,11 +122,18 @@ class Gateway:
             raise InvalidRequest(f"request body is not valid UTF-8: {exc}", code="invalid_body") from None
         try:
             data = json.loads(text, parse_constant=_reject_constant)
+            # lone surrogates ("\ud800") decode into str but cannot be encoded again
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                                  code="invalid_json") from None
         except RecursionError:
             raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
+        except UnicodeEncodeError:
+            raise InvalidRequest("request body holds a lone UTF-16 surrogate, which is not text",
+                                 code="invalid_json") from None
+        except ValueError as exc:  # e.g. an integer literal of thousands of digits
+            raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise InvalidRequest("request body must be a JSON object", code="invalid_body")
         return data
@@ -194,7 +210,8 @@ class Gateway:
         ]
 
     def completion_choices(self, req: CompletionRequest, base_id: str, tenant: str = "") -> list[Choice]:
-        """One pipeline request per (prompt, choice); choice index = prompt * n + k."""
+        """One pipeline request per (prompt, choice); choice index = prompt * n + k, sampled
+        with seed + index."""
         now = time.time()
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         seed = self._base_seed(req)
@@ -204,7 +221,7 @@ class Gateway:
                 index = p * req.n + k
                 task = TokenizeTask(
                     meta=self._meta(f"{base_id}-{index}", now, req, tenant),
-                    sampling=self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
+                    sampling=self.sampling_for(req, max_tokens, (seed + index) % (1 << 63), req.num_logprobs()),
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=prompt if isinstance(prompt, list) else None,
                 )
@@ -235,6 +252,8 @@ class Gateway:
 
     async def serve(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str,
                     tenant: str) -> Response:
+        if self.shutting_down_at is not None:
+            raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
         try:
             self.admission.admit(tenant, self.client.queued)
@@ -245,13 +264,15 @@ class Gateway:
         async def on_tick() -> None:
             if await request.is_disconnected():
                 raise Aborted("client disconnected")
+            if self.shutting_down_at is not None and time.monotonic() - self.shutting_down_at > self.settings.shutdown_drain_s:
+                raise ServiceUnavailable("the gateway is shutting down; retry the request", code="shutting_down")
             down = self.client.stages_down(self.settings.stage_down_grace_s)
             if down:
                 raise ServiceUnavailable(f"no live worker for stage(s) {', '.join(down)} for "
                                          f"{self.settings.stage_down_grace_s:.0f}s")
 
         run = RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
-                         on_tick=on_tick)
+                         on_tick=on_tick, first_token_timeout_s=self.settings.first_token_timeout_s)
         run.tenant = tenant  # type: ignore[attr-defined]
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
         if not req.stream:
@@ -382,13 +403,18 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
         yield
         await client.stop()
 
-    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible API of a disaggregated LLM serving pipeline.")
     app.state.gateway = gw
 
+    def endpoint_of(request: Request) -> str:
+        """A bounded metric label: the matched route's name, never the raw path."""
+        route = request.scope.get("route")
+        return ENDPOINT_LABELS.get(getattr(route, "path", ""), "other")
+
     @app.exception_handler(PdError)
     async def on_pd_error(request: Request, exc: PdError):
-        gw.metrics["requests"].labels(request.url.path, exc.code or exc.type).inc()
+        gw.metrics["requests"].labels(endpoint_of(request), exc.code or exc.type).inc()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -406,6 +432,7 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):
         log.exception("unhandled_error", path=request.url.path)
+        gw.metrics["requests"].labels(endpoint_of(request), "internal_error").inc()
         return JSONResponse({"error": {"message": "internal error", "type": "server_error", "param": None,
                                        "code": "internal_error"}}, status_code=500)
 
@@ -451,12 +478,14 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
         return gw.detokenize(gw.parse(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")
-    @app.get("/healthz")
+    @app.head("/health", include_in_schema=False)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], include_in_schema=False)
     async def health():
         return {"status": "ok"}
 
     @app.get("/health/ready")
-    @app.get("/readyz")
+    @app.head("/health/ready", include_in_schema=False)
+    @app.api_route("/readyz", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready():
         missing = client.missing_stages()
         ok = client.is_connected and not missing

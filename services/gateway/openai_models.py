@@ -43,7 +43,15 @@ NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "2" is not a number and true is not 1; unknown fields are errors
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+#: Bounds that keep every number inside what the bus (64-bit msgpack integers) carries.
+MAX_INT = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+#: Most pipeline requests one API request may fan out to (prompts × n).
+MAX_CHOICES = 64
 
 
 class TextPart(_Base):
@@ -55,6 +63,12 @@ class ChatMessageIn(_Base):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -76,16 +90,16 @@ class _SamplingFields(_Base):
     """Parameters shared by chat and text completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT)
     min_p: Probability | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -115,8 +129,9 @@ class _SamplingFields(_Base):
         if v is None:
             return v
         for key, bias in v.items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
+            digits = key[1:] if key.startswith("-") else key
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 10):
+                raise ValueError(f"logit_bias keys must be token ids, not {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias values must be in [-100, 100]")
         return v
@@ -162,7 +177,7 @@ class _SamplingFields(_Base):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
@@ -185,7 +200,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
@@ -201,6 +216,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _checks(self):
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) * self.n > MAX_CHOICES:
+                raise InvalidRequest(f"{len(self.prompt)} prompts × n={self.n} exceeds {MAX_CHOICES} completions per "
+                                     "request", param="prompt")
         if self.echo and self.logprobs is not None:
             raise InvalidRequest("echo together with logprobs (prompt logprobs) is not supported", param="echo",
                                  code="unsupported_parameter")

@@ -14,11 +14,11 @@ import uuid
 
 from nats.aio.client import Client as NATS
 
-from shared import bus
+from shared import bus, messages
 from shared.config import Settings
-from shared.errors import ServiceUnavailable
+from shared.errors import PoisonMessage, ServiceUnavailable
 from shared.logging import get_logger
-from shared.messages import Abort, Heartbeat, Message, TokenizeTask
+from shared.messages import Abort, Heartbeat, Message, RequestStatus, StatusQuery, TokenizeTask
 from shared.metrics import queue_metrics
 from shared.models import served_model_name
 from shared.registry import WorkerRegistry
@@ -50,6 +50,7 @@ class PipelineClient:
         self.js = self.nc.jetstream()
         await bus.ensure_all_queues(self.js, self.protocol, self.settings)
         await bus.subscribe_messages(self.nc, self.inbox, self._on_event)
+        await self.nc.subscribe(self.protocol.gateway_status(self.inbox), cb=self._on_status)
         await bus.subscribe_messages(self.nc, self.protocol.heartbeat, self._on_heartbeat)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         self._watch_task = asyncio.create_task(self._watch_loop())
@@ -100,6 +101,10 @@ class PipelineClient:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def stop(self) -> None:
+        """Abort whatever is still open (its clients are gone with this gateway), then close."""
+        if self.nc is not None and self.nc.is_connected:
+            for rid in list(self._routes):
+                await self.abort(rid, "gateway_shutdown")
         for task in (getattr(self, "_heartbeat_task", None), getattr(self, "_watch_task", None)):
             if task is not None:
                 task.cancel()
@@ -110,6 +115,16 @@ class PipelineClient:
         queue = self._routes.get(getattr(message, "request_id", ""))
         if queue is not None:
             queue.put_nowait(message)
+
+    async def _on_status(self, msg) -> None:
+        """A worker asks whether a request is still wanted (before redelivered work)."""
+        try:
+            query = messages.decode_as(msg.data, StatusQuery)
+        except PoisonMessage:
+            return
+        if msg.reply:
+            status = RequestStatus(request_id=query.request_id, open=query.request_id in self._routes)
+            await self.nc.publish(msg.reply, messages.encode(status))
 
     async def _on_heartbeat(self, message: Message) -> None:
         if isinstance(message, Heartbeat):

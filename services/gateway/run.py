@@ -16,8 +16,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.gateway.pipeline import PipelineClient
-from shared.errors import DeadlineExceeded, PdError
+from shared.errors import Aborted, DeadlineExceeded, PdError
 from shared.messages import Accepted, ErrorEvent, OutputLogprob, TextChunk, TokenizeTask, Usage
+
+#: Abort tasks in flight (a reference keeps them from being garbage-collected mid-way).
+_background: set[asyncio.Task] = set()
 
 
 class PipelineError(PdError):
@@ -71,15 +74,18 @@ class RequestRun:
         client: the gateway's pipeline client.
         choices: one per pipeline request.
         deadline_at: unix seconds.
-        stall_timeout_s: longest silence allowed between events.
+        stall_timeout_s: longest silence allowed between events once text flows.
+        first_token_timeout_s: longest silence allowed before the first text (default: the
+            stall timeout); Progress events from a busy stage count as not silent.
         tick_s: period of the idle callback while waiting.
         on_tick: coroutine function called every ``tick_s`` of silence; it may raise (a
             client that went away raises Aborted).
     """
 
     def __init__(self, client: PipelineClient, choices: list[Choice], deadline_at: float, stall_timeout_s: float,
-                 tick_s: float = 1.0, on_tick=None):
+                 tick_s: float = 1.0, on_tick=None, first_token_timeout_s: float | None = None):
         self.client = client
+        self.first_token_timeout_s = first_token_timeout_s or stall_timeout_s
         self.tick_s = tick_s
         self._on_tick = on_tick
         self.choices = choices
@@ -98,19 +104,25 @@ class RequestRun:
         try:
             for c in self.choices:
                 await self.client.submit(c.task)
-        except BaseException:
-            await self.abort("error")
-            self._unregister()
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, None)
             raise
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
+        """Unregister, and tell every stage to drop unfinished choices. The abort runs as a
+        task of its own: when the client went away the caller is being cancelled, and an
+        await here would be cancelled before the abort was sent."""
+        self._unregister()
         if any(not c.finished for c in self.choices):
             reason = "client_disconnected" if exc_type in (asyncio.CancelledError, GeneratorExit) else "error"
             if isinstance(exc, DeadlineExceeded):
                 reason = "deadline"
-            await self.abort(reason)
-        self._unregister()
+            elif isinstance(exc, Aborted):
+                reason = "client_disconnected"
+            task = asyncio.get_running_loop().create_task(self.abort(reason))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
 
     async def on_tick(self) -> None:
         if self._on_tick is not None:
@@ -133,10 +145,13 @@ class RequestRun:
         now = time.time()
         if now >= self.deadline_at:
             raise DeadlineExceeded("the request ran past its deadline")
-        stall_left = self.stall_timeout_s - (time.monotonic() - self._last_event_at)
+        # before the first token a request may wait behind others' prefills; after it, the
+        # stream must keep moving
+        limit = self.stall_timeout_s if self.first_token_at is not None else self.first_token_timeout_s
+        stall_left = limit - (time.monotonic() - self._last_event_at)
         if stall_left <= 0:
             raise DeadlineExceeded(
-                f"no progress from the pipeline for {self.stall_timeout_s:.0f}s (a stage may be down or stuck)"
+                f"no progress from the pipeline for {limit:.0f}s (a stage may be down or stuck)"
             )
         timeout = min(stall_left, self.deadline_at - now, tick_s if tick_s is not None else float("inf"))
         try:
@@ -146,6 +161,8 @@ class RequestRun:
                 return None
             return await self._next_event(tick_s)  # re-checks which limit passed
         self._last_event_at = time.monotonic()
+        if isinstance(event, TextChunk) and event.text and self.first_token_at is None:
+            self.first_token_at = self._last_event_at
         return event
 
     def _apply(self, event) -> Delta | None:
@@ -174,8 +191,6 @@ class RequestRun:
             if event.finish_reason is not None:
                 choice.finish_reason = event.finish_reason
                 choice.usage = event.usage
-            if text and self.first_token_at is None:
-                self.first_token_at = time.monotonic()
             return Delta(choice, text, event.finish_reason, new_logprobs)
         return None
 
@@ -205,10 +220,14 @@ class RequestRun:
         Raises:
             PipelineError, DeadlineExceeded.
         """
+        last_tick = time.monotonic()
         while not all(c.finished for c in self.choices):
             event = self._early.pop(0) if self._early else await self._next_event(self.tick_s)
-            if event is None:
+            if event is None or time.monotonic() - last_tick >= self.tick_s:
+                # also while events flow: a client can leave mid-stream
+                last_tick = time.monotonic()
                 await self.on_tick()
+            if event is None:
                 yield None
                 continue
             delta = self._apply(event)

@@ -39,6 +39,8 @@ from shared.messages import (
     Heartbeat,
     KVHandle,
     PrefillTask,
+    Progress,
+    RequestMeta,
     StreamSpec,
     TokenChunk,
 )
@@ -47,6 +49,8 @@ from shared.registry import WorkerRegistry
 
 #: Seconds between sweeps of expired staged KV (and updates of the staged-bytes gauge).
 REAP_INTERVAL_S = 2.0
+#: Seconds between Progress events for requests this worker holds.
+PROGRESS_INTERVAL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -89,6 +93,7 @@ class PrefillWorker(Worker):
         self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s)
         self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
         self.pending: dict[str, asyncio.Future] = {}
+        self.pending_meta: dict[str, RequestMeta] = {}
         self.metrics = stage_metrics(self.stage)
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
                                       self.metrics).start()
@@ -107,6 +112,15 @@ class PrefillWorker(Worker):
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
         self.spawn(self._reap_loop(), "reap")
+        self.spawn(self._progress_loop(), "progress")
+
+    async def _progress_loop(self) -> None:
+        """Tell the gateways of the requests held here that they are being worked on: a long
+        prefill (or a queue behind one) is busy, not stuck."""
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            for rid, meta in list(self.pending_meta.items()):
+                self.post(meta.reply_to, Progress(request_id=rid, stage=self.stage))
 
     def heartbeat_fields(self) -> dict:
         pending = getattr(self, "pending", {})
@@ -148,21 +162,22 @@ class PrefillWorker(Worker):
             self.engine_loop.call(lambda e: e.abort(abort.request_id))
 
     # --- the work ---------------------------------------------------------------------------
-    async def handle(self, item: WorkItem) -> None:
+    async def handle(self, item: WorkItem) -> str | None:
         task: PrefillTask = item.message  # type: ignore[assignment]
         meta = task.meta
         rid = meta.request_id
         if rid in self.pending:
             item.done = True  # a redelivery of work this worker is doing now: the first delivery acks
             return
-        if rid in self.aborted or time.time() > meta.deadline_at:
+        if not await self.still_wanted(meta, item.num_delivered):
             await item.ack()
-            return
+            return "dropped"
         postfilter = self.registry.pick("postfilter", rid)
         if postfilter is None:
             raise ServiceUnavailable("no postfilter worker is alive")
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
+        self.pending_meta[rid] = meta
         try:
             store_hit_tokens = await self._import_store_hits(task)
             await self.engine_loop.call(lambda e: e.add_request(
@@ -172,10 +187,11 @@ class PrefillWorker(Worker):
                 out: StepOutput = await fut
             except Aborted:
                 await item.ack()
-                return
+                return "aborted"
             await self._hand_off(item, task, out, postfilter.inbox, store_hit_tokens)
         finally:
             self.pending.pop(rid, None)
+            self.pending_meta.pop(rid, None)
             if not fut.done():
                 fut.cancel()
             self.consumer.notify_room()

@@ -54,7 +54,7 @@ class PromptProcessor:
             raise InvalidRequest("the prompt is empty", param="prompt" if task.messages is None else "messages")
         return ids
 
-    def max_tokens_for(self, num_prompt_tokens: int, requested: int, is_default: bool) -> int:
+    def max_tokens_for(self, num_prompt_tokens: int, requested: int, is_default: bool, param: str = "messages") -> int:
         """The output budget; with no ``max_tokens`` given, the rest of the context.
 
         Raises:
@@ -66,15 +66,15 @@ class PromptProcessor:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
                 f"has {num_prompt_tokens} tokens, which leaves no room for a completion.",
-                param="messages",
+                param=param,
             )
         if is_default:
             return min(requested, room)
         if num_prompt_tokens + requested > self.max_model_len:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, {requested} in "
-                "the completion). Please reduce the length of the messages or completion.",
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {param}, {requested} in "
+                f"the completion). Please reduce the length of the {param} or completion.",
                 param="max_tokens",
             )
         return requested

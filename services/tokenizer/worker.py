@@ -16,7 +16,6 @@ A bad prompt ends here with an ErrorEvent to the gateway (a 4xx before any strea
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 
@@ -54,14 +53,15 @@ class TokenizerWorker(Worker):
     async def before_drain(self) -> None:
         await self.consumer.drain(self.drain_timeout_s / 2)
 
-    async def handle(self, item: WorkItem) -> None:
+    async def handle(self, item: WorkItem) -> str | None:
         task: TokenizeTask = item.message  # type: ignore[assignment]
         meta = task.meta
-        if meta.request_id in self.aborted or time.time() > meta.deadline_at:
+        if not await self.still_wanted(meta, item.num_delivered):
             await item.ack()
-            return
+            return "dropped"
         ids = await asyncio.to_thread(self.processor.tokenize, task)
-        max_tokens = self.processor.max_tokens_for(len(ids), task.sampling.max_tokens, task.max_tokens_is_default)
+        max_tokens = self.processor.max_tokens_for(len(ids), task.sampling.max_tokens, task.max_tokens_is_default,
+                                                   param="prompt" if task.messages is None else "messages")
         sampling = task.sampling
         if max_tokens != sampling.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -85,8 +86,9 @@ def texts(rid: str, pieces: list[str], finish: str = "stop", gap: float = 0.0) -
 
 
 def make(tiny_model_dir, script, **settings):
-    s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=settings.pop("stall_timeout_s", 2.0),
-                          **settings)
+    stall = settings.pop("stall_timeout_s", 2.0)
+    s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=stall,
+                          first_token_timeout_s=settings.pop("first_token_timeout_s", stall), **settings)
     fake = FakePipeline(script)
     app = create_app(s, client=fake)
     app.state.gateway.load_model()
@@ -133,7 +135,9 @@ def test_silent_pipeline_times_out_with_504_and_aborts(tiny_model_dir):
         async with client_for(app) as c:
             t0 = time.monotonic()
             resp = await c.post("/v1/chat/completions", json=BODY)
-            return resp, time.monotonic() - t0
+            elapsed = time.monotonic() - t0
+            await asyncio.sleep(0.05)  # the abort is sent by a task of its own
+            return resp, elapsed
 
     resp, elapsed = run(go())
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
@@ -166,11 +170,12 @@ def test_stream_that_stalls_mid_way_ends_with_timeout_event(tiny_model_dir):
     def script(task):
         return texts(task.meta.request_id, ["x", "y", "z"], gap=0.0)[:2]  # never finishes
 
-    app, fake = make(tiny_model_dir, script, stall_timeout_s=1.0)
+    app, fake = make(tiny_model_dir, script, stall_timeout_s=1.0, first_token_timeout_s=60.0)
 
     async def go():
         async with client_for(app) as c:
             resp = await c.post("/v1/chat/completions", json={**BODY, "stream": True})
+            await asyncio.sleep(0.05)
             return resp.content
 
     raw = run(go())
@@ -266,3 +271,72 @@ def test_hostile_json_is_a_400(tiny_model_dir, raw):
 
     resp = run(go())
     assert resp.status_code == 400, resp.text
+
+
+def test_progress_keeps_a_long_prefill_alive_but_not_forever(tiny_model_dir):
+    from shared.messages import Progress
+
+    def script(task):
+        rid = task.meta.request_id
+        accepted = [(0, Accepted(request_id=rid, num_prompt_tokens=5, max_tokens=8))]
+        progress = [(0.4, Progress(request_id=rid, stage="prefill")) for _ in range(5)]
+        return accepted + progress + texts(rid, ["done"])[1:]
+
+    app, _ = make(tiny_model_dir, script, stall_timeout_s=0.3, first_token_timeout_s=1.0)
+
+    async def go():
+        async with client_for(app) as c:
+            return await c.post("/v1/chat/completions", json=BODY)
+
+    resp = run(go())  # 2 s of prefill, in 0.4 s steps: never 1 s of silence
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "done"
+
+
+@contextmanager
+def served(app):
+    """The app under a real uvicorn server on a free port, in a thread (real disconnects)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(tiny_model_dir, stream):
+    def script(task):
+        return texts(task.meta.request_id, [f"t{i} " for i in range(300)], gap=0.02)
+
+    app, fake = make(tiny_model_dir, script)
+    with served(app) as url:
+        if stream:
+            with httpx.Client(base_url=url, timeout=30) as c, \
+                    c.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as resp:
+                seen = 0
+                for line in resp.iter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 5:
+                        break  # leave mid-stream
+        else:
+            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url, timeout=1.5) as c:
+                c.post("/v1/chat/completions", json=BODY)  # gives up while tokens still flow
+        for _ in range(100):
+            if fake.aborted:
+                break
+            time.sleep(0.05)
+    assert fake.aborted and fake.aborted[0][1] == "client_disconnected"
+    assert not fake.routes  # nothing left registered
