@@ -49,3 +49,7 @@ clean:
 ## regenerate the README's settings table from shared/config.py
 readme-settings: $(STAMP)
 	$(PY) -c "import re,subprocess; t=subprocess.run(['$(VENV)/bin/pdserve','settings','--markdown'],capture_output=True,text=True,check=True).stdout.strip(); s=open('README.md').read(); open('README.md','w').write(re.sub(r'<!-- settings:begin -->.*?<!-- settings:end -->', '<!-- settings:begin -->\n'+t+'\n<!-- settings:end -->', s, flags=re.S))"
+
+## fault-injection suite: killed workers, NATS and Redis restarts, disconnects (default model)
+chaos: $(STAMP)
+	$(VENV)/bin/pdserve chaos

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import sys
@@ -97,26 +96,9 @@ def cmd_down(args) -> int:
 
 
 def cmd_status(args) -> int:
-    settings = _settings(args)
+    from shared.observe import collect_heartbeats
 
-    async def collect() -> dict:
-        from shared import bus
-        from shared.messages import Heartbeat
-        from shared.subjects import Protocol
-
-        nc = await bus.connect(settings, "pdserve-status", max_reconnect_attempts=0)
-        seen: dict[str, Heartbeat] = {}
-
-        async def on(msg) -> None:
-            if isinstance(msg, Heartbeat):
-                seen[msg.instance_id] = msg
-
-        await bus.subscribe_messages(nc, Protocol(settings.namespace).heartbeat, on)
-        await asyncio.sleep(settings.heartbeat_interval_s * 2.2)
-        await nc.close()
-        return seen
-
-    seen = asyncio.run(collect())
+    seen = collect_heartbeats(_settings(args))
     if not seen:
         print("no pdserve workers are sending heartbeats")
         return 1
@@ -150,14 +132,27 @@ def cmd_settings(args) -> int:
     return 0
 
 
+def _bench(module: str):
+    def load():
+        import importlib
+
+        return importlib.import_module(f"loadtest.{module}").main
+
+    return load
+
+
+#: ``pdserve bench <name> [options]``: each benchmark parses its own options.
+BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus")}
+
+
+def cmd_chaos(args) -> int:
+    from loadtest.chaos import main as chaos_main
+
+    return chaos_main(args.rest)
+
+
 def cmd_bench(args) -> int:
-    if args.what == "pipeline":
-        from loadtest.bench_pipeline import main as bench_main
-    elif args.what == "bus":
-        from loadtest.bench_bus import main as bench_main
-    else:
-        raise SystemExit(f"unknown benchmark {args.what}")
-    return bench_main(args.rest)
+    return BENCHMARKS[args.what]()(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,8 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--markdown", action="store_true", help="the defaults as the README's Markdown table")
     se.set_defaults(fn=cmd_settings)
 
+    ch = sub.add_parser("chaos", help="fault-injection suite (killed workers, restarts, disconnects)")
+    ch.add_argument("rest", nargs=argparse.REMAINDER)
+    ch.set_defaults(fn=cmd_chaos)
+
     be = sub.add_parser("bench", help="benchmarks that print their figures")
-    be.add_argument("what", choices=("pipeline", "bus"))
+    be.add_argument("what", choices=sorted(BENCHMARKS))
     be.add_argument("rest", nargs=argparse.REMAINDER)
     be.set_defaults(fn=cmd_bench)
     return p
@@ -200,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `pdserve settings | head` ends quietly
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # sub-commands with their own option parsers get the rest of the line untouched
+    if argv[:1] == ["chaos"]:
+        from loadtest.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
+        return BENCHMARKS[argv[1]]()(argv[2:])
     args = build_parser().parse_args(argv)
     return args.fn(args) or 0
 

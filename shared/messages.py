@@ -186,7 +186,9 @@ class TokenChunk(_Message, tag="tokens"):
     """Prefill/decode → postfilter. ``token_ids`` are output tokens ``index, index+1, ...``.
 
     ``spec`` is present exactly when ``index`` is 0. ``finish_reason`` ("stop" | "length")
-    is set on the request's last chunk.
+    is set on the request's last chunk. ``worker`` is the sending instance: one decode worker
+    owns a request's stream at a time (the last to take it over, or to ``replay`` it from index
+    0 to a new postfilter); chunks from any other are dropped.
     """
 
     request_id: str
@@ -196,6 +198,7 @@ class TokenChunk(_Message, tag="tokens"):
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     worker: str = ""
+    replay: bool = False
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -225,7 +228,8 @@ class OutputLogprob(msgspec.Struct, frozen=True, array_like=True):
 class TextChunk(_Message, tag="text"):
     """Postfilter → gateway. ``text`` starts at character ``text_offset`` of the output, so a
     gateway can drop text it already sent when a chunk is re-sent after a failover.
-    ``logprobs`` (when asked for) has one entry per output token this chunk consumed."""
+    ``logprobs`` (when asked for) has one entry per output token this chunk consumed.
+    ``source`` is the postfilter's inbox: where to ask for a resend (:class:`TextResend`)."""
 
     request_id: str
     text: str
@@ -234,6 +238,7 @@ class TextChunk(_Message, tag="text"):
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[OutputLogprob] | None = None
+    source: str = ""
 
 
 class Accepted(_Message, tag="accepted"):
@@ -259,11 +264,14 @@ class ErrorEvent(_Message, tag="error"):
 class Abort(_Message, tag="abort"):
     """Broadcast: stop all work on ``request_id`` and release its KV.
 
-    ``reason``: "client_disconnected" | "stop" | "deadline" | "error".
+    ``reason``: "client_disconnected" | "stop" | "deadline" | "error" | "superseded" | ...
+    With ``worker`` set, only that worker instance stops (it lost the request to another:
+    a redelivered DecodeTask now runs elsewhere); the request itself goes on.
     """
 
     request_id: str
     reason: str
+    worker: str = ""
 
 
 class ResumeQuery(_Message, tag="resume_query"):
@@ -271,6 +279,7 @@ class ResumeQuery(_Message, tag="resume_query"):
     Asked by a decode worker that took over a request from a dead one."""
 
     request_id: str
+    worker: str = ""
 
 
 class ResumeState(_Message, tag="resume_state"):
@@ -301,6 +310,22 @@ class StatusQuery(_Message, tag="status_query"):
 class RequestStatus(_Message, tag="request_status"):
     request_id: str
     open: bool
+
+
+class TokenResend(_Message, tag="token_resend"):
+    """Postfilter → the decode worker that owns a request: tokens from ``from_index`` on never
+    arrived (a broker restart lost them); send them again."""
+
+    request_id: str
+    from_index: int
+
+
+class TextResend(_Message, tag="text_resend"):
+    """Gateway → the postfilter that owns a request: text from character ``from_offset`` on
+    never arrived (or the stream went quiet); send it again, with the finish if there was one."""
+
+    request_id: str
+    from_offset: int
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -334,6 +359,8 @@ Message = Union[  # noqa: UP007 (a runtime union for msgspec)
     Progress,
     StatusQuery,
     RequestStatus,
+    TokenResend,
+    TextResend,
     Heartbeat,
 ]
 

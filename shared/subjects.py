@@ -71,6 +71,14 @@ class Protocol:
         inbox is ``inbox``."""
         return inbox.removesuffix(".tokens") + ".resume"
 
+    def postfilter_control(self, inbox: str) -> str:
+        """Core NATS: TextResend for the postfilter instance whose token inbox is ``inbox``."""
+        return inbox.removesuffix(".tokens") + ".control"
+
+    def decode_control(self, instance_id: str) -> str:
+        """Core NATS: TokenResend for one decode worker instance."""
+        return f"{self.namespace}.decode.{instance_id}.control"
+
     def gateway_inbox(self, instance_id: str) -> str:
         """Core NATS: Accepted / TextChunk / ErrorEvent for one gateway instance's requests."""
         return f"{self.namespace}.gateway.{instance_id}.events"

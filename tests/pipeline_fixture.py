@@ -75,35 +75,13 @@ def log_tail(dep, name_prefix: str, chars: int = 4000) -> str:
 
 def heartbeats(settings: Settings, seconds: float = 1.5) -> dict:
     """Heartbeats seen on the namespace for ``seconds``, by instance id."""
-    from shared import bus
-    from shared.messages import Heartbeat
-    from shared.subjects import Protocol
+    from shared.observe import collect_heartbeats
 
-    async def collect() -> dict:
-        nc = await bus.connect(settings, "pdserve-test-hb", max_reconnect_attempts=0)
-        seen: dict = {}
-
-        async def on(msg) -> None:
-            if isinstance(msg, Heartbeat):
-                seen[msg.instance_id] = msg
-
-        await bus.subscribe_messages(nc, Protocol(settings.namespace).heartbeat, on)
-        await asyncio.sleep(seconds)
-        await nc.close()
-        return seen
-
-    return asyncio.run(collect())
+    return collect_heartbeats(settings, seconds)
 
 
 def metric_value(port: int, name: str, labels: str = "") -> float:
     """A metric's value from a worker's /metrics (0 when absent)."""
-    import urllib.request
+    from shared.observe import scrape_metric
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (not labels or labels in line) and not line.startswith("#"):
-            head, _, value = line.rpartition(" ")
-            if head.split("{")[0] == name:
-                total += float(value)
-    return total
+    return scrape_metric(port, name, labels)

@@ -180,6 +180,10 @@ class Worker:
 
     async def _on_control(self, message: Message) -> None:
         if isinstance(message, Abort):
+            if message.worker:
+                if message.worker == self.instance_id:
+                    await self.on_abort(message)  # only this worker lets go; the request goes on
+                return
             self.aborted.add(message.request_id)
             await self.on_abort(message)
 

@@ -49,6 +49,7 @@ from shared.messages import (
     ResumeState,
     StreamSpec,
     TokenChunk,
+    TokenResend,
     decode_as,
     encode,
 )
@@ -77,6 +78,7 @@ class DecodeWorker(Worker):
         self.active: dict[str, ActiveRequest] = {}
         self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
         self.gateways_seen: set[str] = set()
+        self.recently_finished: dict[str, tuple[list[int], str | None, str]] = {}
         self.metrics = stage_metrics(self.stage)
         self.kv_metrics = kv_metrics()
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
@@ -90,6 +92,7 @@ class DecodeWorker(Worker):
                     self.gateways_seen.add(hb.inbox)
 
         await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
+        await bus.subscribe_messages(self.nc, self.protocol.decode_control(self.instance_id), self._on_control_message)
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
@@ -126,6 +129,11 @@ class DecodeWorker(Worker):
             ))
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)
+                # kept a while: a postfilter that missed the last tokens can ask for them
+                self.recently_finished[out.request_id] = (list(out.seq.output_token_ids), out.finish_reason,
+                                                          req.postfilter)
+                while len(self.recently_finished) > 4096:
+                    self.recently_finished.pop(next(iter(self.recently_finished)))
 
     def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
         for rid in request_ids:
@@ -138,7 +146,24 @@ class DecodeWorker(Worker):
         if req is not None:
             await self.engine_loop.call(lambda e: e.abort(abort.request_id))
             if not req.done.done():
-                req.done.set_result("abort")
+                req.done.set_result("superseded" if abort.worker else "abort")
+
+    async def _on_control_message(self, message) -> None:
+        """A postfilter missed tokens of a request this worker streams: send them again."""
+        if not isinstance(message, TokenResend):
+            return
+        rid = message.request_id
+        req = self.active.get(rid)
+        if req is not None and req.seq is not None:
+            tokens, finish, postfilter = list(req.seq.output_token_ids), None, req.postfilter
+        elif rid in self.recently_finished:
+            tokens, finish, postfilter = self.recently_finished[rid]
+        else:
+            return
+        if message.from_index < len(tokens) or (finish is not None and message.from_index == len(tokens)):
+            self.post(postfilter, TokenChunk(request_id=rid, index=message.from_index,
+                                             token_ids=tokens[message.from_index:], finish_reason=finish,
+                                             worker=self.instance_id))
 
     # --- peers ------------------------------------------------------------------------------
     def _postfilter_alive(self, inbox: str) -> bool:
@@ -155,7 +180,7 @@ class DecodeWorker(Worker):
         task = req.task
         spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
         self.post(req.postfilter, TokenChunk(request_id=rid, index=0, token_ids=list(output_token_ids), spec=spec,
-                                             worker=self.instance_id))
+                                             worker=self.instance_id, replay=True))
 
     async def _watch_peers(self) -> None:
         """Re-route streams whose postfilter died; drop requests whose gateway died."""
@@ -186,7 +211,8 @@ class DecodeWorker(Worker):
         if self._postfilter_alive(req.postfilter):
             try:
                 reply = await self.nc.request(self.protocol.postfilter_resume(req.postfilter),
-                                              encode(ResumeQuery(request_id=rid)), timeout=RESUME_TIMEOUT_S)
+                                              encode(ResumeQuery(request_id=rid, worker=self.instance_id)),
+                                              timeout=RESUME_TIMEOUT_S)
                 state = decode_as(reply.data, ResumeState)
                 if state.finished:
                     return [], False, True
@@ -261,6 +287,10 @@ class DecodeWorker(Worker):
             if req.done.done():  # aborted while its KV was loading
                 await self.engine_loop.call(lambda e: e.abort(rid))
             reason = await req.done
+            if reason == "superseded":
+                # another decode worker took the request over: its delivery acks the task
+                item.done = True
+                return "superseded"
             await item.ack()
             return "aborted" if reason == "abort" else "ok"
         finally:

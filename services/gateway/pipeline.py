@@ -18,7 +18,7 @@ from shared import bus, messages
 from shared.config import Settings
 from shared.errors import PoisonMessage, ServiceUnavailable
 from shared.logging import get_logger
-from shared.messages import Abort, Heartbeat, Message, RequestStatus, StatusQuery, TokenizeTask
+from shared.messages import Abort, Heartbeat, Message, RequestStatus, StatusQuery, TextResend, TokenizeTask
 from shared.metrics import queue_metrics
 from shared.models import served_model_name
 from shared.registry import WorkerRegistry
@@ -162,6 +162,14 @@ class PipelineClient:
         """
         await bus.publish_task(self.js, self.protocol.tokenize, task, task.meta.request_id,
                                headers=task.meta.headers or None)
+
+    async def resend_text(self, source: str, request_id: str, from_offset: int) -> None:
+        """Ask the postfilter at ``source`` for a request's text from ``from_offset`` on."""
+        try:
+            await bus.publish_core(self.nc, self.protocol.postfilter_control(source),
+                                   TextResend(request_id=request_id, from_offset=from_offset))
+        except Exception as exc:
+            log.warning("resend_publish_failed", request_id=request_id, error=str(exc))
 
     async def abort(self, request_id: str, reason: str) -> None:
         """Tell every stage to drop ``request_id`` (best effort)."""

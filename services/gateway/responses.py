@@ -24,7 +24,7 @@ def usage_of(choices: list[Choice]) -> dict:
     cached: dict[int, int] = {}
     completion = 0
     for c in choices:
-        prompt_tokens[c.prompt_index] = c.num_prompt_tokens
+        prompt_tokens[c.prompt_index] = c.num_prompt_tokens or (c.usage.prompt_tokens if c.usage else 0)
         if c.usage is not None:
             cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.usage.cached_tokens)
         completion += c.usage.completion_tokens if c.usage else c.num_tokens

@@ -19,6 +19,10 @@ from services.gateway.pipeline import PipelineClient
 from shared.errors import Aborted, DeadlineExceeded, PdError
 from shared.messages import Accepted, ErrorEvent, OutputLogprob, TextChunk, TokenizeTask, Usage
 
+#: Seconds a text gap may stay open (resends asked for) before the request fails.
+GAP_TIMEOUT_S = 5.0
+#: Seconds of silence after the first token before the gateway asks for a resend.
+QUIET_RESEND_S = 3.0
 #: Abort tasks in flight (a reference keeps them from being garbage-collected mid-way).
 _background: set[asyncio.Task] = set()
 
@@ -47,6 +51,9 @@ class Choice:
     usage: Usage | None = None
     logprobs: list[OutputLogprob] = field(default_factory=list)
     accepted: bool = False
+    source: str = ""
+    gap_since: float = 0.0
+    resend_asked_at: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -127,6 +134,19 @@ class RequestRun:
     async def on_tick(self) -> None:
         if self._on_tick is not None:
             await self._on_tick()
+        if self.first_token_at is not None and time.monotonic() - self._last_event_at > QUIET_RESEND_S:
+            for c in self.choices:
+                if not c.finished:
+                    self._ask_resend(c)  # the end of the stream may have been lost
+
+    def _ask_resend(self, choice: Choice) -> None:
+        now = time.monotonic()
+        if choice.source and now - choice.resend_asked_at > 1.0:
+            choice.resend_asked_at = now
+            task = asyncio.get_running_loop().create_task(
+                self.client.resend_text(choice.source, choice.request_id, choice.sent_chars))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
 
     def _unregister(self) -> None:
         for c in self.choices:
@@ -160,10 +180,21 @@ class RequestRun:
             if tick_s is not None and timeout == tick_s:
                 return None
             return await self._next_event(tick_s)  # re-checks which limit passed
-        self._last_event_at = time.monotonic()
+        if self._is_progress(event):
+            self._last_event_at = time.monotonic()
         if isinstance(event, TextChunk) and event.text and self.first_token_at is None:
-            self.first_token_at = self._last_event_at
+            self.first_token_at = time.monotonic()
         return event
+
+    def _is_progress(self, event) -> bool:
+        """Whether an event moves the request on (a resend of text already delivered does not,
+        so it cannot keep a stuck request alive)."""
+        if not isinstance(event, TextChunk):
+            return True
+        choice = self.by_id.get(event.request_id)
+        if choice is None:
+            return False
+        return event.finish_reason is not None or event.text_offset + len(event.text) > choice.sent_chars
 
     def _apply(self, event) -> Delta | None:
         choice = self.by_id.get(event.request_id)
@@ -176,6 +207,20 @@ class RequestRun:
             choice.num_prompt_tokens = event.num_prompt_tokens
             return None
         if isinstance(event, TextChunk) and not choice.finished:
+            choice.accepted = True  # text implies the prompt was accepted (its Accepted may be lost)
+            if event.source:
+                choice.source = event.source
+            if event.text_offset > choice.sent_chars:
+                # text in between never arrived: ask for it again, never show a stream with a hole
+                now = time.monotonic()
+                choice.gap_since = choice.gap_since or now
+                if now - choice.gap_since > GAP_TIMEOUT_S:
+                    raise PipelineError(ErrorEvent(request_id=event.request_id, status=502, code="stream_gap",
+                                                   message=f"text from character {choice.sent_chars} to "
+                                                           f"{event.text_offset} was lost in transit"))
+                self._ask_resend(choice)
+                return None
+            choice.gap_since = 0.0
             # drop what was already delivered (a chunk re-sent after a failover)
             skip = max(0, choice.sent_chars - event.text_offset)
             text = event.text[skip:]
@@ -212,6 +257,9 @@ class RequestRun:
                 self._apply(event)
             else:
                 self._early.append(event)
+                choice = self.by_id.get(getattr(event, "request_id", ""))
+                if choice is not None and isinstance(event, TextChunk):
+                    choice.accepted = True  # text implies acceptance (its Accepted may be lost)
 
     async def deltas(self) -> AsyncIterator[Delta | None]:
         """New text of every choice as it arrives, until all have finished; None after each

@@ -39,8 +39,10 @@ from shared.messages import (
     ResumeState,
     StreamSpec,
     TextChunk,
+    TextResend,
     TokenChunk,
     TokenLogprob,
+    TokenResend,
     TopLogprob,
     Usage,
     decode_as,
@@ -54,6 +56,11 @@ MAX_OUT_OF_ORDER = 256
 GAP_TIMEOUT_S = 5.0
 #: Seconds chunks that arrived before their request's first chunk are kept.
 EARLY_TIMEOUT_S = 30.0
+#: Finished requests kept (their text) for a gateway that missed some of it.
+MAX_DONE_STATES = 4096
+DONE_STATE_TTL_S = 120.0
+#: Seconds without a chunk before the owner of a running stream is asked for a resend.
+QUIET_RESEND_S = 3.0
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +73,11 @@ class RequestState:
     opened_at: float = 0.0
     pending: dict[int, TokenChunk] = field(default_factory=dict)
     gap_since: float = 0.0
+    owner: str = ""
+    last_chunk_at: float = field(default_factory=time.monotonic)
+    emitted: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
 
 
 class PostfilterWorker(Worker):
@@ -79,6 +91,7 @@ class PostfilterWorker(Worker):
         self.tokenizer = tokenizer.backend_tokenizer
         self.token_text = TokenText(self.tokenizer)
         self.states: dict[str, RequestState] = {}
+        self.done_states: dict[str, tuple[RequestState, float]] = {}
         self.early: dict[str, dict[int, TokenChunk]] = {}
         self.early_at: dict[str, float] = {}
         self.finished = RecentSet(ttl_s=600.0)
@@ -88,7 +101,22 @@ class PostfilterWorker(Worker):
     async def serve(self) -> None:
         await bus.subscribe_messages(self.nc, self.inbox, self._on_message)
         await self.nc.subscribe(self.protocol.postfilter_resume(self.inbox), cb=self._on_resume)
+        await bus.subscribe_messages(self.nc, self.protocol.postfilter_control(self.inbox), self._on_control_message)
         self.spawn(self._expire_loop(), "expire")
+
+    async def _on_control_message(self, message) -> None:
+        """A gateway missed text (a broker restart lost it): send it again from its offset."""
+        if not isinstance(message, TextResend):
+            return
+        rid = message.request_id
+        st = self.states.get(rid) or self.done_states.get(rid, (None, 0.0))[0]
+        if st is None:
+            return
+        text = "".join(st.emitted)[message.from_offset:]
+        self.post(st.spec.reply_to, TextChunk(
+            request_id=rid, text=text, text_offset=message.from_offset, num_tokens=st.next_index,
+            finish_reason=st.finish_reason, usage=st.usage, source=self.inbox,
+        ))
 
     async def _on_resume(self, msg) -> None:
         """A decode worker took over one of our requests: tell it which tokens we have."""
@@ -99,6 +127,7 @@ class PostfilterWorker(Worker):
         rid = query.request_id
         st = self.states.get(rid)
         if st is not None:
+            self._hand_over(rid, st, query.worker)
             state = ResumeState(request_id=rid, output_token_ids=list(st.detok.token_ids), known=True)
         else:
             state = ResumeState(request_id=rid, known=rid in self.finished, finished=rid in self.finished)
@@ -124,6 +153,15 @@ class PostfilterWorker(Worker):
             for rid, st in list(self.states.items()):
                 if st.gap_since and mono - st.gap_since > GAP_TIMEOUT_S:
                     self._fail(rid, st, f"token stream gap: token {st.next_index} never arrived")
+                elif st.owner and ((st.gap_since and mono - st.gap_since > 1.0)
+                                   or mono - st.last_chunk_at > QUIET_RESEND_S):
+                    # tokens are missing (a gap), or the stream went quiet (its end may be lost):
+                    # ask the decode worker that owns it to send again from what we have
+                    st.last_chunk_at = mono
+                    self.post(self.protocol.decode_control(st.owner),
+                              TokenResend(request_id=rid, from_index=st.next_index))
+            for rid in [r for r, (_, at) in self.done_states.items() if mono - at > DONE_STATE_TTL_S]:
+                self.done_states.pop(rid, None)
             for rid in [r for r, at in self.early_at.items() if mono - at > EARLY_TIMEOUT_S]:
                 self.early.pop(rid, None)
                 self.early_at.pop(rid, None)
@@ -156,6 +194,14 @@ class PostfilterWorker(Worker):
             self.states[rid] = st
             self.early_at.pop(rid, None)
             st.pending.update(self.early.pop(rid, {}))
+        st.last_chunk_at = time.monotonic()
+        if chunk.replay and chunk.worker:
+            self._hand_over(rid, st, chunk.worker)
+        elif chunk.index > 0 and chunk.worker:
+            if not st.owner:
+                st.owner = chunk.worker
+            elif chunk.worker != st.owner:
+                return  # a worker that lost the request to another; it was told to stop
         if chunk.index > st.next_index:
             st.pending[chunk.index] = chunk
             st.gap_since = st.gap_since or time.monotonic()
@@ -206,14 +252,26 @@ class PostfilterWorker(Worker):
             logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[skip : skip + consumed]]
         self.post(st.spec.reply_to, TextChunk(
             request_id=rid, text=text, text_offset=st.text_offset, num_tokens=st.next_index,
-            finish_reason=finish, usage=usage, logprobs=logprobs,
+            finish_reason=finish, usage=usage, logprobs=logprobs, source=self.inbox,
         ))
         st.text_offset += len(text)
+        st.emitted.append(text)
         if finish is not None:
+            st.finish_reason, st.usage = finish, usage
             self.states.pop(rid, None)
             self.finished.add(rid)
+            self.done_states[rid] = (st, time.monotonic())  # kept a while, to resend lost text
+            while len(self.done_states) > MAX_DONE_STATES:
+                self.done_states.pop(next(iter(self.done_states)))
             if stopped and chunk.finish_reason is None:
                 self.post(self.protocol.abort, Abort(request_id=rid, reason="stop"))
+
+    def _hand_over(self, rid: str, st: RequestState, worker: str) -> None:
+        """``worker`` now owns the request's stream; the previous owner is told to stop."""
+        if worker and worker != st.owner:
+            if st.owner:
+                self.post(self.protocol.abort, Abort(request_id=rid, reason="superseded", worker=st.owner))
+            st.owner = worker
 
     def _logprob_entry(self, lp: TokenLogprob) -> OutputLogprob:
         text, raw = self.token_text(lp.token_id)

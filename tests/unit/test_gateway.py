@@ -29,6 +29,7 @@ class FakePipeline:
         self.routes: dict[str, asyncio.Queue] = {}
         self.submitted: list[TokenizeTask] = []
         self.aborted: list[tuple[str, str]] = []
+        self.resends: list[tuple[str, int]] = []
         self.queued = 0
         self.down: list[str] = []
         self.is_connected = True
@@ -71,6 +72,9 @@ class FakePipeline:
 
     async def abort(self, rid, reason):
         self.aborted.append((rid, reason))
+
+    async def resend_text(self, source, rid, from_offset):
+        self.resends.append((rid, from_offset))
 
 
 def texts(rid: str, pieces: list[str], finish: str = "stop", gap: float = 0.0) -> list:

@@ -1,0 +1,334 @@
+"""Fault injection: requests under killed workers, broker and store restarts, and clients that
+leave — with the three numbers that must be zero.
+
+``pdserve chaos`` (``make chaos``) starts its own NATS and Redis servers (so it can restart
+them), a deployment with two prefill and two decode replicas, computes each prompt's greedy
+reference text with the engine in process, then runs the scenarios, each ``--requests``
+streamed requests at ``--concurrency``:
+
+* ``decode``: a decode worker is SIGKILLed every ``--interval`` seconds (while another is
+  alive) and restarted by the supervisor; its requests continue on the other one;
+* ``prefill``: the same for prefill;
+* ``nats``: the NATS server is restarted every few seconds;
+* ``redis``: the Redis server (the KV store) is restarted every few seconds;
+* ``disconnect``: a third of the clients go away at a random point of their stream.
+
+A fault scenario keeps sending requests (cycling through the prompts) until at least
+``--min-faults`` faults have happened.
+
+Per scenario it prints: sent, completed, failed with a clean error (an HTTP error with an
+OpenAI error body, or a final SSE error event), disconnected on purpose, **hung** (no end
+within the deadline plus a margin: must be 0), completed requests whose text differs from
+the greedy reference (**wrong**: must be 0), broken streams (ended without [DONE] or an
+error: must be 0), and what is left after the run once leases have passed: **staged KV
+bytes** in the store and KV blocks still held in the workers' pools (both must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loadtest.infra import NatsServer, RedisServer, free_port
+from shared.config import Settings
+
+SCENARIOS = ("decode", "prefill", "nats", "redis", "disconnect")
+TOPICS = ["rivers", "the sea", "mountains", "a small robot", "bread", "winter", "trains", "music", "bees", "clocks"]
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = " ".join(rng.choice(TOPICS) for _ in range(rng.randrange(1, 12)))
+        out.append(f"Request {i}: write about {words}.")
+    return out
+
+
+@dataclass
+class Outcome:
+    status: str  # completed | failed | disconnected | hung | broken
+    text: str = ""
+    error: str = ""
+    seconds: float = 0.0
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                      leave_after: int | None, hang_s: float) -> Outcome:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    pieces: list[str] = []
+
+    async def go() -> Outcome:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                try:
+                    err = json.loads(raw)["error"]
+                    return Outcome("failed", error=f"{resp.status_code} {err.get('code')}: {err['message']}")
+                except Exception:
+                    return Outcome("broken", error=f"{resp.status_code} without an error object: {raw[:200]!r}")
+            seen = 0
+            finished = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    return Outcome("completed" if finished else "broken", "".join(pieces),
+                                   error="" if finished else "[DONE] before a finish_reason")
+                event = json.loads(payload)
+                if "error" in event:
+                    return Outcome("failed", "".join(pieces), error=f"{event['error'].get('code')}: {event['error']['message']}")
+                for choice in event["choices"]:
+                    pieces.append(choice["delta"].get("content") or "")
+                    finished = finished or choice["finish_reason"] is not None
+                seen += 1
+                if leave_after is not None and seen >= leave_after:
+                    return Outcome("disconnected", "".join(pieces))
+            return Outcome("broken", "".join(pieces), error="stream ended without [DONE]")
+
+    try:
+        out = await asyncio.wait_for(go(), hang_s)
+    except TimeoutError:
+        out = Outcome("hung", "".join(pieces), error=f"no end after {hang_s:.0f}s")
+    except httpx.HTTPError as exc:
+        out = Outcome("broken", "".join(pieces), error=f"{type(exc).__name__}: {exc}")
+    out.seconds = time.monotonic() - started
+    return out
+
+
+async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                   leave_rate: float, hang_s: float, seed: int, keep_going=lambda: False) -> list[tuple[int, Outcome]]:
+    """Send prompts in order (cycling) from ``concurrency`` clients until all were sent once
+    and ``keep_going()`` is false. Returns (prompt index, outcome) per request."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    results: list[tuple[int, Outcome]] = []
+    counter = iter(range(10**9))
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(hang_s, connect=10), limits=limits) as client:
+        async def client_loop():
+            while True:
+                i = next(counter)
+                if i >= len(prompts) and not keep_going():
+                    return
+                leave = rng.randrange(1, max_tokens) if rng.random() < leave_rate else None
+                k = i % len(prompts)
+                results.append((k, await one_request(client, model, prompts[k], max_tokens, leave, hang_s)))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return results
+
+
+class Faults(threading.Thread):
+    """Injects one kind of fault every ``interval_s`` until stopped."""
+
+    def __init__(self, kind: str, dep, nats: NatsServer, redis: RedisServer, interval_s: float, seed: int):
+        super().__init__(daemon=True)
+        self.kind, self.dep, self.nats, self.redis = kind, dep, nats, redis
+        self.interval_s = interval_s
+        self.rng = random.Random(seed)
+        self.stop_event = threading.Event()
+        self.count = 0
+
+    def run(self) -> None:
+        import os
+        import signal
+
+        while not self.stop_event.wait(self.interval_s):
+            if self.kind in ("decode", "prefill"):
+                procs = [p for p in self.dep.procs if p.name.startswith(self.kind) and p.popen.poll() is None]
+                # kill one only while another replica has been up for a while: failover, not outage
+                settled = [p for p in procs if time.monotonic() - p.started_at > 8]
+                if len(procs) >= 2 and settled:
+                    victim = self.rng.choice(procs)
+                    os.kill(victim.popen.pid, signal.SIGKILL)
+                    self.count += 1
+            elif self.kind == "nats":
+                self.nats.restart(down_s=1.0)
+                self.count += 1
+            elif self.kind == "redis":
+                self.redis.restart(down_s=0.5)
+                self.count += 1
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(30)
+
+
+class SupervisorThread(threading.Thread):
+    def __init__(self, supervisor):
+        super().__init__(daemon=True)
+        self.supervisor = supervisor
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.25):
+            self.supervisor.poll()
+
+
+@dataclass
+class Row:
+    scenario: str
+    faults: int
+    outcomes: list[Outcome] = field(default_factory=list)
+    wrong: int = 0
+    wrong_examples: list = field(default_factory=list)
+    staged_bytes: int = 0
+    blocks_held: int = 0
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+
+def references(settings: Settings, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy texts from the engine in this process (no bus): the truth the pipeline must match."""
+    from engine.factory import build_engine
+    from engine.model_loader import ensure_model, load_tokenizer
+    from shared.messages import SamplingParams
+
+    tok = load_tokenizer(ensure_model(settings))
+    engine = build_engine(settings)
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=False), add_special_tokens=False) for p in prompts]
+    seqs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [tok.decode(s.output_token_ids, skip_special_tokens=True) for s in seqs]
+
+
+def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]:
+    from shared.kv import open_store
+    from shared.observe import collect_heartbeats, scrape_metric
+
+    time.sleep(wait_s)
+    store = open_store(settings)
+    end = time.monotonic() + 15
+    staged = store.staged_bytes()
+    while staged and time.monotonic() < end:
+        time.sleep(1.0)
+        store.reap()
+        staged = store.staged_bytes()
+    store.close()
+    held = 0
+    for hb in collect_heartbeats(settings).values():
+        if hb.stage in ("prefill", "decode") and hb.metrics_port:
+            held += int(scrape_metric(hb.metrics_port, f"pd_{hb.stage}_kv_blocks_used"))
+    return staged, held
+
+
+def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
+              interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None) -> list[Row]:
+    """Run the scenarios; returns one row each (also used by the CI test)."""
+    from services import launcher
+    from shared.models import served_model_name
+
+    tmp_ctx = tempfile.TemporaryDirectory() if workdir is None else None
+    root = Path(tmp_ctx.name) if tmp_ctx else workdir
+    nats = NatsServer(root / "nats")
+    redis = RedisServer(root / "redis")
+    nats.start()
+    redis.start()
+    settings = Settings.from_env(
+        model=model, namespace=f"chaos{uuid.uuid4().hex[:6]}", nats_url=nats.url, redis_url=redis.url,
+        kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
+        first_token_timeout_s=60.0, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+        ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
+    )
+    name = served_model_name(settings)
+    prompts = make_prompts(requests)
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy) ...")
+    expected = references(settings, prompts, max_tokens)
+    replicas = {"tokenizer": 1, "prefill": 2, "decode": 2, "postfilter": 1, "gateway": 1}
+    dep = launcher.up(settings, replicas, root / "state", ready_timeout_s=600, quiet=True)
+    sup = SupervisorThread(launcher.Supervisor(dep))
+    sup.start()
+    rows = []
+    hang_s = settings.request_timeout_s + 30
+    try:
+        for k, scenario in enumerate(scenarios):
+            say(f"chaos: scenario {scenario} ...")
+            faults = Faults(scenario, dep, nats, redis, interval_s, seed=k)
+            started = time.monotonic()
+            if scenario != "disconnect":
+                faults.start()
+            leave = 1 / 3 if scenario == "disconnect" else 0.0
+            needs_faults = scenario != "disconnect"
+            results = asyncio.run(run_load(dep.url, name, prompts, concurrency, max_tokens, leave, hang_s, seed=k,
+                                           keep_going=lambda f=faults, n=needs_faults: n and f.count < min_faults))
+            if needs_faults:
+                faults.stop()
+            outcomes = [o for _, o in results]
+            row = Row(scenario, faults.count, outcomes, seconds=time.monotonic() - started)
+            row.wrong_examples = [(i, o) for i, o in results if o.status == "completed" and o.text != expected[i]]
+            row.wrong = len(row.wrong_examples)
+            wait_ready(dep.url, 120)
+            row.staged_bytes, row.blocks_held = measure_leftovers(dep, settings, settings.kv_block_ttl_s + 3)
+            rows.append(row)
+            say(format_rows([row], header=False))
+    finally:
+        sup.stop_event.set()
+        launcher.stop_all(dep)
+        nats.stop()
+        redis.stop()
+        if tmp_ctx:
+            tmp_ctx.cleanup()
+    return rows
+
+
+def wait_ready(url: str, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def format_rows(rows: list[Row], header: bool = True) -> str:
+    lines = []
+    if header:
+        lines.append(f"{'scenario':<11} {'faults':>6} {'sent':>5} {'completed':>9} {'failed clean':>12} "
+                     f"{'left':>5} {'HUNG':>5} {'WRONG':>6} {'broken':>6} {'staged KV B':>11} {'blocks held':>11} {'s':>6}")
+    for r in rows:
+        lines.append(f"{r.scenario:<11} {r.faults:>6} {len(r.outcomes):>5} {r.count('completed'):>9} "
+                     f"{r.count('failed'):>12} {r.count('disconnected'):>5} {r.count('hung'):>5} {r.wrong:>6} "
+                     f"{r.count('broken'):>6} {r.staged_bytes:>11} {r.blocks_held:>11} {r.seconds:>6.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve chaos")
+    p.add_argument("--model", default="", help="local HF folder; default: SmolLM2-135M-Instruct")
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--interval", type=float, default=4.0, help="seconds between faults")
+    p.add_argument("--min-faults", type=int, default=3, help="keep sending requests until this many faults")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = p.parse_args(argv or [])
+    rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
+                     [s for s in args.scenarios.split(",") if s], args.interval, args.min_faults)
+    print()
+    print(format_rows(rows))
+    for r in rows:
+        for o in r.outcomes:
+            if o.status in ("failed", "broken", "hung"):
+                print(f"  {r.scenario}: {o.status}: {o.error}")
+        for i, o in r.wrong_examples[:3]:
+            print(f"  {r.scenario}: wrong text for prompt {i}: {o.text[:120]!r}")
+    bad = sum(r.count("hung") + r.wrong + r.count("broken") + r.staged_bytes + r.blocks_held for r in rows)
+    return 1 if bad else 0

