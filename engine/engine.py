@@ -42,6 +42,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: torch.dtype | None = None
+    attention_backend: str = "auto"
 
 
 @dataclass(slots=True)
@@ -108,15 +110,16 @@ class LLMEngine:
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.bytes_per_token = PagedKVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
+        self.kv_dtype = config.kv_cache_dtype or self.dtype
+        self.bytes_per_token = PagedKVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.kv_dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // (self.bytes_per_token * config.block_size))
         self.max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
         self.kv_cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
-                                     self.dtype, self.device, config.model_id)
+                                     self.kv_dtype, self.device, config.model_id)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_tokens)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()

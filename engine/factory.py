@@ -14,7 +14,8 @@ from shared.models import served_model_name
 log = get_logger(__name__)
 
 
-def engine_config(settings: Settings) -> EngineConfig:
+def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> EngineConfig:
+    kv_dtype = None if settings.kv_cache_dtype == "auto" else getattr(torch, settings.kv_cache_dtype)
     return EngineConfig(
         model_id=served_model_name(settings),
         block_size=settings.block_size,
@@ -24,6 +25,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_model_len=settings.max_model_len,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         enable_prefix_caching=settings.enable_prefix_caching,
+        kv_cache_dtype=kv_dtype,
+        attention_backend=settings.attention_backend,
     )
 
 
@@ -41,7 +44,9 @@ def build_engine(settings: Settings) -> LLMEngine:
         dtype=str(dtype),
         device=str(device),
         num_kv_blocks=engine.num_kv_blocks,
+        kv_dtype=str(engine.kv_dtype),
         kv_bytes_per_token=engine.bytes_per_token,
+        attention=engine.runner.attention.__name__,
         max_model_len=engine.max_model_len,
         torch_threads=torch.get_num_threads(),
     )

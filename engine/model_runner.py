@@ -136,14 +136,15 @@ class ModelRunner:
     Args:
         model: a transformers causal LM loaded with ``attn_implementation=ATTN_IMPLEMENTATION``.
         kv_cache: the paged KV pool.
+        attention_backend: see :func:`kernels.select`.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache):
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto"):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
-        self.attention = kernels.select(self.device.type)
+        self.attention = kernels.select(self.device.type, attention_backend)
 
     def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size

@@ -142,7 +142,7 @@ def _bench(module: str):
 
 
 #: ``pdserve bench <name> [options]``: each benchmark parses its own options.
-BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus")}
+BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus"), "engine": _bench("bench_engine")}
 
 
 def cmd_chaos(args) -> int:

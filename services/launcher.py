@@ -314,12 +314,31 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
 
     folder = ensure_model(settings, progress=not quiet)
     dep.say(f"model {folder}")
+    prepare_kernels(dep)
     ensure_nats(dep)
     ensure_redis(dep)
     start_services(dep)
     write_state(dep)
     wait_ready(dep, ready_timeout_s)
     return dep
+
+
+def prepare_kernels(dep: Deployment) -> None:
+    """Build the C++ attention kernel once, here, rather than in every worker at start."""
+    if dep.settings.attention_backend == "reference" or dep.settings.device == "cuda":
+        return
+    from kernels import cpu
+
+    started = time.monotonic()
+    try:
+        cpu.load()
+    except Exception as exc:
+        if dep.settings.attention_backend == "cpu":
+            raise SystemExit(f"pdserve: PD_ATTENTION_BACKEND=cpu but the C++ kernel does not build: {exc}") from None
+        dep.say(f"the C++ attention kernel does not build here ({str(exc)[:200]}); using the PyTorch reference")
+        return
+    if time.monotonic() - started > 2:
+        dep.say(f"built the C++ attention kernel in {time.monotonic() - started:.0f}s (cached for later starts)")
 
 
 def write_state(dep: Deployment) -> None:

@@ -23,6 +23,24 @@ class SettingsError(ValueError):
     """A ``PD_*`` environment variable holds a value of the wrong type or out of range."""
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """``"0"``, ``"0,2"``, ``"0-3"`` → a set of CPU ids.
+
+    Raises:
+        ValueError: not a CPU list.
+    """
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError(f"empty CPU list {spec!r}")
+    return cpus
+
+
 def _doc(text: str, **kwargs: typing.Any) -> typing.Any:
     return field(metadata={"doc": text}, **kwargs)
 
@@ -58,6 +76,19 @@ class Settings:
     )
     device: str = _doc("auto, cpu or cuda. auto: cuda when available.", default="auto")
     torch_threads: int = _doc("Torch intra-op threads per model worker; 0 = torch's default.", default=0)
+    cpu_affinity: str = _doc(
+        "CPUs a model worker is pinned to, e.g. \"0\" or \"0-3\"; empty = any.", default=""
+    )
+    kv_cache_dtype: str = _doc(
+        "auto (the model's dtype), float32 or bfloat16. bfloat16 halves KV memory, hand-off bytes "
+        "and attention traffic; outputs may then differ slightly from a float32 reference.",
+        default="auto",
+    )
+    attention_backend: str = _doc(
+        "auto, reference or cpu. auto: the C++ paged-attention kernel on CPU when it builds "
+        "(first use compiles it, about 40 s), else the pure-PyTorch reference.",
+        default="auto",
+    )
 
     # --- engine -------------------------------------------------------------------------
     block_size: int = _doc("Tokens per KV block.", default=16)
@@ -78,6 +109,19 @@ class Settings:
         default=0,
     )
     enable_prefix_caching: bool = _doc("Reuse KV blocks of identical prompt prefixes.", default=True)
+
+    # --- routing ------------------------------------------------------------------------
+    routing: str = _doc(
+        "disaggregated (every prompt is prefilled by a prefill worker), aggregated (decode workers "
+        "prefill their own prompts) or conditional (a cost model decides per request).",
+        default="disaggregated",
+    )
+    router_local_max_tokens: int = _doc(
+        "conditional routing: prompts with at most this many tokens still to compute are prefilled "
+        "on the decode worker when its estimated cost is not higher (the crossover measured by "
+        "pdserve bench modes on this machine).",
+        default=256,
+    )
 
     # --- KV store -----------------------------------------------------------------------
     kv_store: str = _doc("shm (one host) or redis (across hosts).", default="shm")
@@ -194,6 +238,17 @@ class Settings:
             raise SettingsError(f"PD_KV_STORE must be shm or redis, not {self.kv_store!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SettingsError(f"PD_DTYPE must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.routing not in ("disaggregated", "aggregated", "conditional"):
+            raise SettingsError(f"PD_ROUTING must be disaggregated, aggregated or conditional, not {self.routing!r}")
+        if self.cpu_affinity:
+            try:
+                parse_cpus(self.cpu_affinity)
+            except ValueError:
+                raise SettingsError(f"PD_CPU_AFFINITY must be a CPU list like 0 or 0-3, not {self.cpu_affinity!r}") from None
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise SettingsError(f"PD_KV_CACHE_DTYPE must be auto, float32, bfloat16 or float16, not {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ("auto", "reference", "cpu"):
+            raise SettingsError(f"PD_ATTENTION_BACKEND must be auto, reference or cpu, not {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise SettingsError(f"PD_DEVICE must be auto, cpu or cuda, not {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):

@@ -147,15 +147,22 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 class DecodeTask(_Message, tag="decode"):
     """Prefill → decode. ``output_token_ids`` holds the tokens already sampled (at least the
-    first one, from prefill); decode continues after them and streams to ``postfilter``."""
+    first one, from prefill); decode continues after them and streams to ``postfilter``.
+
+    Routed straight from the tokenizer (aggregated serving, or the router chose a local
+    prefill): no output tokens, no KV handle, no postfilter yet; decode prefills the prompt
+    itself (reusing prefix blocks named by ``block_hashes``), picks the postfilter and streams
+    from the first token."""
 
     meta: RequestMeta
     sampling: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    postfilter: str
+    postfilter: str = ""
     kv: KVHandle | None = None
     num_cached_tokens: int = 0
+    block_hashes: list[bytes] = []
+    route: str = ""
 
 
 class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -331,7 +338,8 @@ class TextResend(_Message, tag="text_resend"):
 class Heartbeat(_Message, tag="heartbeat"):
     """Every worker, every ``heartbeat_interval_s``. ``inbox`` is the worker's own subject
     (postfilter instances receive token streams there). ``ready`` is false until the model or
-    tokenizer is loaded."""
+    tokenizer is loaded. Model workers add what the router's cost model needs: their measured
+    prefill rate, decode step time, and prompt tokens still to prefill."""
 
     stage: str
     instance_id: str
@@ -343,6 +351,11 @@ class Heartbeat(_Message, tag="heartbeat"):
     num_waiting: int = 0
     capacity: int = 0
     metrics_port: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    queued_prefill_tokens: int = 0
+    kv_dtype: str = ""
+    kv_bytes_per_token: int = 0
 
 
 Message = Union[  # noqa: UP007 (a runtime union for msgspec)

@@ -77,6 +77,12 @@ def kv_metrics() -> dict:
 
 
 @functools.cache
+def router_metrics() -> Counter:
+    """Conditional disaggregation: where prompts were prefilled, and on what basis."""
+    return Counter("pd_router_decisions_total", "prefill placement decisions", ["target", "basis"])
+
+
+@functools.cache
 def queue_metrics() -> Gauge:
     """JetStream consumer backlog per stage (messages not yet delivered), seen by a gateway."""
     return Gauge("pd_queue_backlog", "work items waiting in a stage's JetStream work queue", ["stage"])

@@ -52,6 +52,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.last_step_at = time.monotonic()
         self.busy_seconds = 0.0
+        self.prefill_tokens_per_s = 0.0
+        self.decode_step_s = 0.0
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -95,6 +97,25 @@ class EngineLoop:
             except BaseException as exc:  # handed to the awaiting coroutine
                 self._resolve(fut, exc=exc)
 
+    def _observe_rates(self, elapsed: float) -> None:
+        """EWMAs of the prefill rate (steps that computed many tokens) and the decode step
+        time (steps of single-token sequences only), for the router's cost model."""
+        stats = self.engine.stats
+        tokens, seqs = stats.last_step_tokens, stats.last_step_seqs
+        if tokens >= 32 and elapsed > 0:
+            rate = tokens / elapsed
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
+        elif tokens == seqs and tokens > 0:
+            self.decode_step_s = elapsed if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * elapsed
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens the engine has still to compute (a read across threads: a hint)."""
+        total = 0
+        for seq in list(self.engine.sequences.values()):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                total += seq.num_prompt_tokens - seq.num_computed_tokens
+        return total
+
     def _report_pool(self) -> None:
         if self.metrics is not None:
             bm = self.engine.block_manager
@@ -120,6 +141,7 @@ class EngineLoop:
                 self.loop.call_soon_threadsafe(self.on_step_error, ids, exc)
                 continue
             elapsed = time.perf_counter() - started
+            self._observe_rates(elapsed)
             self.busy_seconds += elapsed
             self.last_step_at = time.monotonic()
             if self.metrics is not None:

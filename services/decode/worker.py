@@ -34,17 +34,15 @@ from dataclasses import dataclass, field
 import nats.errors
 
 from engine.engine import StepOutput
-from engine.factory import build_engine
 from services.common.consumer import PullConsumer, WorkItem
-from services.common.engine_loop import EngineLoop
-from services.common.runtime import Worker, main
+from services.common.model_worker import ModelWorker
+from services.common.runtime import main
 from shared import bus
 from shared.errors import EngineError, KVTransferError, ServiceUnavailable
-from shared.kv import block_key, open_store
+from shared.kv import block_key
 from shared.messages import (
     Abort,
     DecodeTask,
-    Heartbeat,
     ResumeQuery,
     ResumeState,
     StreamSpec,
@@ -53,8 +51,6 @@ from shared.messages import (
     decode_as,
     encode,
 )
-from shared.metrics import kv_metrics, stage_metrics
-from shared.registry import WorkerRegistry
 
 #: How long a new owner waits for the old postfilter's answer about a request's tokens.
 RESUME_TIMEOUT_S = 1.0
@@ -69,29 +65,16 @@ class ActiveRequest:
     seq: object = None  # the engine's Sequence once admitted (read-only here)
 
 
-class DecodeWorker(Worker):
+class DecodeWorker(ModelWorker):
     stage = "decode"
 
     async def setup(self) -> None:
-        self.engine = await asyncio.to_thread(build_engine, self.settings)
-        self.store = open_store(self.settings)
+        await super().setup()
         self.active: dict[str, ActiveRequest] = {}
-        self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
-        self.gateways_seen: set[str] = set()
         self.recently_finished: dict[str, tuple[list[int], str | None, str]] = {}
-        self.metrics = stage_metrics(self.stage)
-        self.kv_metrics = kv_metrics()
-        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
-                                      self.metrics).start()
 
     async def serve(self) -> None:
-        async def on_heartbeat(hb) -> None:
-            if isinstance(hb, Heartbeat):
-                self.registry.observe(hb)
-                if hb.stage == "gateway":
-                    self.gateways_seen.add(hb.inbox)
-
-        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
+        await super().serve()
         await bus.subscribe_messages(self.nc, self.protocol.decode_control(self.instance_id), self._on_control_message)
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
@@ -107,7 +90,7 @@ class DecodeWorker(Worker):
 
     def heartbeat_fields(self) -> dict:
         active = getattr(self, "active", {})
-        return {"num_running": len(active), "capacity": self.settings.max_num_seqs}
+        return {"num_running": len(active), "capacity": self.settings.max_num_seqs, **self.engine_heartbeat_fields()}
 
     async def before_drain(self) -> None:
         await self.consumer.drain(self.drain_timeout_s / 2)
@@ -119,10 +102,16 @@ class DecodeWorker(Worker):
             req = self.active.get(out.request_id)
             if req is None:
                 continue
+            spec = None
+            if out.index == 0:  # this worker prefilled the prompt itself: it opens the stream
+                task = req.task
+                spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), out.seq.num_cached_tokens)
+                self.waiting_first_token.pop(out.request_id, None)
             self.post(req.postfilter, TokenChunk(
                 request_id=out.request_id,
                 index=out.index,
                 token_ids=out.new_token_ids,
+                spec=spec,
                 finish_reason=out.finish_reason,
                 logprobs=out.logprobs if req.task.sampling.logprobs is not None else None,
                 worker=self.instance_id,
@@ -170,10 +159,10 @@ class DecodeWorker(Worker):
         return any(h.inbox == inbox for h in self.registry.live("postfilter"))
 
     def _new_postfilter(self, rid: str) -> str:
-        owner = self.registry.pick("postfilter", rid)
-        if owner is None:
+        inbox = self.pick_postfilter(rid)
+        if inbox is None:
             raise ServiceUnavailable("no postfilter worker is alive")
-        return owner.inbox
+        return inbox
 
     def _replay(self, req: ActiveRequest, rid: str, output_token_ids: list[int]) -> None:
         """Send a request's whole output so far to its (new) postfilter, from index 0."""
@@ -271,16 +260,23 @@ class DecodeWorker(Worker):
         self.active[rid] = req
         try:
             output_ids, replay, finished = list(task.output_token_ids), False, False
-            if item.num_delivered > 1:
+            if item.num_delivered > 1 and req.postfilter:
                 output_ids, replay, finished = await self._resume_point(req, rid)
             if finished:
                 await item.ack()
                 return "already_finished"
+            if not req.postfilter:
+                req.postfilter = self._new_postfilter(rid)  # a local prefill: this worker opens the stream
+            if not output_ids:
+                self.waiting_first_token[rid] = meta
             blocks, tail = await self._fetch_kv(task)
             handle = task.kv
+            hashes = handle.block_hashes if handle else task.block_hashes
+            if handle is None and hashes:
+                await self.import_store_hits(rid, hashes, len(task.prompt_token_ids))
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
-                rid, task.prompt_token_ids, output_ids, task.sampling,
-                handle.block_hashes if handle else [], blocks, tail, cache_salt=meta.cache_salt))
+                rid, task.prompt_token_ids, output_ids, task.sampling, hashes, blocks, tail,
+                cache_salt=meta.cache_salt))
             await self._drop_tail(task)
             if replay:
                 self._replay(req, rid, output_ids)
@@ -295,6 +291,7 @@ class DecodeWorker(Worker):
             return "aborted" if reason == "abort" else "ok"
         finally:
             self.active.pop(rid, None)
+            self.waiting_first_token.pop(rid, None)
             self.consumer.notify_room()
 
     async def _drop_tail(self, task: DecodeTask) -> None:

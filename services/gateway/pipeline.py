@@ -61,7 +61,7 @@ class PipelineClient:
         backlog_gauge = queue_metrics()
         while True:
             now = time.monotonic()
-            for stage in PIPELINE_STAGES:
+            for stage in self.required_stages:
                 if self.registry.live(stage):
                     self.missing_since.pop(stage, None)
                 else:
@@ -131,9 +131,16 @@ class PipelineClient:
             self.registry.observe(message)
 
     # --- readiness ------------------------------------------------------------------------
+    @property
+    def required_stages(self) -> tuple[str, ...]:
+        """The stages requests need: aggregated serving has no prefill workers."""
+        if self.settings.routing == "aggregated":
+            return tuple(s for s in PIPELINE_STAGES if s != "prefill")
+        return PIPELINE_STAGES
+
     def missing_stages(self) -> list[str]:
         """Stages with no live, ready worker now."""
-        return [stage for stage in PIPELINE_STAGES if not self.registry.live(stage)]
+        return [stage for stage in self.required_stages if not self.registry.live(stage)]
 
     @property
     def is_connected(self) -> bool:

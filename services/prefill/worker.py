@@ -26,31 +26,23 @@ import time
 from dataclasses import dataclass
 
 from engine.engine import StepOutput
-from engine.factory import build_engine
 from services.common.consumer import PullConsumer, WorkItem
-from services.common.engine_loop import EngineLoop
-from services.common.runtime import Worker, main
+from services.common.model_worker import ModelWorker
+from services.common.runtime import main
 from shared import bus
 from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
-from shared.kv import BLOCK, TAIL, block_key, open_store, tail_key
+from shared.kv import BLOCK, TAIL, block_key, tail_key
 from shared.messages import (
     Abort,
     DecodeTask,
-    Heartbeat,
     KVHandle,
     PrefillTask,
-    Progress,
-    RequestMeta,
     StreamSpec,
     TokenChunk,
 )
-from shared.metrics import kv_metrics, stage_metrics
-from shared.registry import WorkerRegistry
 
 #: Seconds between sweeps of expired staged KV (and updates of the staged-bytes gauge).
 REAP_INTERVAL_S = 2.0
-#: Seconds between Progress events for requests this worker holds.
-PROGRESS_INTERVAL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -84,27 +76,16 @@ class KVStager:
         return handle, written
 
 
-class PrefillWorker(Worker):
+class PrefillWorker(ModelWorker):
     stage = "prefill"
 
     async def setup(self) -> None:
-        self.engine = await asyncio.to_thread(build_engine, self.settings)
-        self.store = open_store(self.settings)
+        await super().setup()
         self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s)
-        self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
         self.pending: dict[str, asyncio.Future] = {}
-        self.pending_meta: dict[str, RequestMeta] = {}
-        self.metrics = stage_metrics(self.stage)
-        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
-                                      self.metrics).start()
-        self.kv_metrics = kv_metrics()
 
     async def serve(self) -> None:
-        async def on_heartbeat(hb) -> None:
-            if isinstance(hb, Heartbeat):
-                self.registry.observe(hb)
-
-        await bus.subscribe_messages(self.nc, self.protocol.heartbeat_of("postfilter"), on_heartbeat)
+        await super().serve()
         self.consumer = PullConsumer(
             self, self.protocol.prefill, PrefillTask, self.handle,
             capacity=lambda: self.engine.config.max_num_seqs - len(self.pending),
@@ -112,19 +93,10 @@ class PrefillWorker(Worker):
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
         self.spawn(self._reap_loop(), "reap")
-        self.spawn(self._progress_loop(), "progress")
-
-    async def _progress_loop(self) -> None:
-        """Tell the gateways of the requests held here that they are being worked on: a long
-        prefill (or a queue behind one) is busy, not stuck."""
-        while True:
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-            for rid, meta in list(self.pending_meta.items()):
-                self.post(meta.reply_to, Progress(request_id=rid, stage=self.stage))
 
     def heartbeat_fields(self) -> dict:
         pending = getattr(self, "pending", {})
-        return {"num_running": len(pending), "capacity": self.settings.max_num_seqs}
+        return {"num_running": len(pending), "capacity": self.settings.max_num_seqs, **self.engine_heartbeat_fields()}
 
     async def before_drain(self) -> None:
         await self.consumer.drain(self.drain_timeout_s / 2)
@@ -172,14 +144,14 @@ class PrefillWorker(Worker):
         if not await self.still_wanted(meta, item.num_delivered):
             await item.ack()
             return "dropped"
-        postfilter = self.registry.pick("postfilter", rid)
+        postfilter = self.pick_postfilter(rid)
         if postfilter is None:
             raise ServiceUnavailable("no postfilter worker is alive")
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        self.pending_meta[rid] = meta
+        self.waiting_first_token[rid] = meta
         try:
-            store_hit_tokens = await self._import_store_hits(task)
+            store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
             await self.engine_loop.call(lambda e: e.add_request(
                 rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
                 cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
@@ -188,46 +160,13 @@ class PrefillWorker(Worker):
             except Aborted:
                 await item.ack()
                 return "aborted"
-            await self._hand_off(item, task, out, postfilter.inbox, store_hit_tokens)
+            await self._hand_off(item, task, out, postfilter, store_hit_tokens)
         finally:
             self.pending.pop(rid, None)
-            self.pending_meta.pop(rid, None)
+            self.waiting_first_token.pop(rid, None)
             if not fut.done():
                 fut.cancel()
             self.consumer.notify_room()
-
-    async def _import_store_hits(self, task: PrefillTask) -> int:
-        """Blocks of this prompt that another worker already staged count as prefix hits:
-        read the leading run this worker lacks from the store into its prefix cache, so the
-        engine computes only the rest. Any failure just means computing more. Returns the
-        number of prompt tokens imported."""
-        if not self.settings.enable_prefix_caching:
-            return 0
-        hashes = task.block_hashes[: (len(task.prompt_token_ids) - 1) // self.settings.block_size]
-        num_local = self.engine.cached_block_hashes(hashes)
-        wanted = hashes[num_local:]
-        if not wanted:
-            return 0
-        dtype = self.engine.layout.dtype
-        keys = [block_key(h, dtype) for h in wanted]
-        started = time.perf_counter()
-        try:
-            present = await asyncio.to_thread(self.store.exists, keys)
-            run = next((i for i, p in enumerate(present) if not p), len(present))
-            if run == 0:
-                return 0
-            data = await asyncio.to_thread(self.store.get, keys[:run])
-            run = next((i for i, d in enumerate(data) if d is None), len(data))
-            if run == 0:
-                return 0
-            imported = await self.engine_loop.call(lambda e: e.import_cached_blocks(wanted[:run], data[:run]))
-        except Exception as exc:
-            self.log.warning("store_prefix_lookup_failed", request_id=task.meta.request_id, error=str(exc))
-            return 0
-        self.kv_metrics["get_bytes"].inc(sum(len(d) for d in data[:run]))
-        self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
-        self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "store").inc(imported * self.settings.block_size)
-        return imported * self.settings.block_size
 
     async def _hand_off(self, item: WorkItem, task: PrefillTask, out: StepOutput, postfilter: str,
                         store_hit_tokens: int) -> None:

@@ -7,7 +7,9 @@ Life cycle of a request here:
 3. validate: a non-empty prompt, token ids inside the vocabulary, prompt + max_tokens inside
    the context (``context_length_exceeded`` names both numbers); fill the default max_tokens;
 4. hash the prompt's full blocks (chained SHA-256, ``shared/hashing.py``);
-5. publish the PrefillTask (Nats-Msg-Id ``prefill:<request_id>``) and wait for JetStream's ack;
+5. route it (``PD_ROUTING``): a PrefillTask for a prefill worker (Nats-Msg-Id
+   ``prefill:<request_id>``), or — aggregated serving, or the conditional router's choice — a
+   DecodeTask for a decode worker that prefills it locally; wait for JetStream's ack;
 6. tell the gateway ``Accepted`` (prompt token count) and ack the TokenizeTask.
 
 A bad prompt ends here with an ErrorEvent to the gateway (a 4xx before any streaming).
@@ -22,9 +24,13 @@ import msgspec
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.runtime import Worker, main
 from services.tokenizer.prompts import PromptProcessor, model_limits
+from services.tokenizer.router import Router
 from shared import bus
 from shared.hashing import block_hashes, hash_extra
-from shared.messages import Abort, Accepted, PrefillTask, TokenizeTask
+from shared.kv import block_key, open_store
+from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
+from shared.metrics import router_metrics
+from shared.registry import WorkerRegistry
 
 
 class TokenizerWorker(Worker):
@@ -37,8 +43,17 @@ class TokenizerWorker(Worker):
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         vocab, max_len = model_limits(folder, self.settings.max_model_len)
         self.processor = PromptProcessor(tokenizer, vocab, max_len)
+        self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
+        self.router = Router(self.settings.router_local_max_tokens, kv_bytes_per_token=0)
+        self.store = open_store(self.settings) if self.settings.routing == "conditional" else None
+        self.route_metrics = router_metrics()
 
     async def serve(self) -> None:
+        async def on_heartbeat(hb) -> None:
+            if isinstance(hb, Heartbeat):
+                self.registry.observe(hb)
+
+        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
         self.consumer = PullConsumer(
             self, self.protocol.tokenize, TokenizeTask, self.handle,
             capacity=lambda: self.settings.tokenizer_concurrency - len(self.consumer.in_flight),
@@ -66,16 +81,48 @@ class TokenizerWorker(Worker):
         if max_tokens != sampling.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
         extra = hash_extra(self.model_name, self.settings.block_size, meta.cache_salt)
-        prefill = PrefillTask(
-            meta=meta,
-            sampling=sampling,
-            prompt_token_ids=ids,
-            block_hashes=block_hashes(ids, self.settings.block_size, extra),
-        )
-        await bus.publish_task(self.js, self.protocol.prefill, prefill, meta.request_id)
+        hashes = block_hashes(ids, self.settings.block_size, extra)
+        target, reason = await self.route(meta.request_id, ids, hashes)
+        if target == "remote":
+            task_out = PrefillTask(meta=meta, sampling=sampling, prompt_token_ids=ids, block_hashes=hashes)
+            await bus.publish_task(self.js, self.protocol.prefill, task_out, meta.request_id)
+        else:
+            task_out = DecodeTask(meta=meta, sampling=sampling, prompt_token_ids=ids, output_token_ids=[],
+                                  block_hashes=hashes, route=reason)
+            await bus.publish_task(self.js, self.protocol.decode, task_out, meta.request_id)
         await self.publish(meta.reply_to, Accepted(request_id=meta.request_id, num_prompt_tokens=len(ids),
                                                    max_tokens=max_tokens))
         await item.ack()
+
+    async def route(self, request_id: str, ids: list[int], hashes: list[bytes]) -> tuple[str, str]:
+        """("remote" | "local", reason): where the prompt is prefilled (``PD_ROUTING``)."""
+        mode = self.settings.routing
+        if mode != "conditional":
+            target = "remote" if mode == "disaggregated" else "local"
+            self.route_metrics.labels(target, "mode").inc()
+            return target, mode
+        prefill = self.registry.live("prefill")
+        decode = self.registry.live("decode")
+        cached = await self._staged_prefix_tokens(hashes, len(ids), prefill + decode)
+        self.router.kv_bytes_per_token = next((h.kv_bytes_per_token for h in prefill + decode if h.kv_bytes_per_token), 0)
+        decision = self.router.decide(len(ids), cached, prefill, decode)
+        basis = "limit" if "local limit" in decision.reason else "cost" if "cheaper" in decision.reason else "liveness"
+        self.route_metrics.labels(decision.target, basis).inc()
+        self.log.info("route", request_id=request_id, target=decision.target, reason=decision.reason)
+        return decision.target, f"{decision.target}: {decision.reason}"
+
+    async def _staged_prefix_tokens(self, hashes: list[bytes], num_tokens: int, workers) -> int:
+        """Leading prompt tokens whose blocks are already in the KV store (either path reuses them)."""
+        dtype = next((h.kv_dtype for h in workers if h.kv_dtype), "")
+        usable = hashes[: (num_tokens - 1) // self.settings.block_size]
+        if not usable or not dtype or self.store is None:
+            return 0
+        try:
+            present = await asyncio.to_thread(self.store.exists, [block_key(h, dtype) for h in usable])
+        except Exception:
+            return 0
+        run = next((i for i, p in enumerate(present) if not p), len(present))
+        return run * self.settings.block_size
 
     async def on_abort(self, abort: Abort) -> None:
         pass  # tasks check the aborted set when they start; tokenizing is too short to cut

@@ -24,7 +24,8 @@ def reference(ref_model, prompt: list[int], max_new_tokens: int, eos: set[int]) 
 
 
 def make_engine(model, **overrides) -> LLMEngine:
-    cfg = dict(model_id="tiny", block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256)
+    cfg = dict(model_id="tiny", block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
+               attention_backend="reference")
     cfg.update(overrides)
     return LLMEngine(model, EngineConfig(**cfg), eos_token_ids=eos_ids_of(model))
 
@@ -37,11 +38,12 @@ def prompts_of(lengths, vocab, seed=0):
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-def test_mixed_batch_matches_generate(tiny_model):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_mixed_batch_matches_generate(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     prompts = prompts_of([1, 3, 7, 16, 33], model.config.vocab_size)
-    engine = make_engine(model)
+    engine = make_engine(model, attention_backend=backend)
     seqs = engine.generate(prompts, GREEDY)
     for p, s in zip(prompts, seqs):
         assert s.output_token_ids == reference(ref, p, 12, eos)
@@ -49,12 +51,13 @@ def test_mixed_batch_matches_generate(tiny_model):
     assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
-def test_sequences_join_and_leave_mid_batch(tiny_model):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_sequences_join_and_leave_mid_batch(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     prompts = prompts_of([5, 9, 2, 20, 11, 6], model.config.vocab_size, seed=1)
     lengths = [3, 12, 7, 5, 10, 1]
-    engine = make_engine(model)
+    engine = make_engine(model, attention_backend=backend)
     seqs = {}
     pending = list(enumerate(prompts))
     steps = 0
@@ -79,11 +82,12 @@ def test_chunked_prefill_matches(tiny_model):
     assert engine.stats.num_steps > 40 // 8
 
 
-def test_preemption_by_recompute_matches(tiny_model):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_preemption_by_recompute_matches(tiny_model, backend):
     model, ref, _ = tiny_model
     prompts = prompts_of([10, 12, 9, 11], model.config.vocab_size, seed=3)
     sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    engine = make_engine(model, num_kv_blocks=16)  # 64 token slots for 4 × ~27 tokens
+    engine = make_engine(model, num_kv_blocks=16, attention_backend=backend)  # 64 token slots for 4 × ~27 tokens
     seqs = engine.generate(prompts, sampling)
     assert engine.scheduler.num_preemptions > 0
     for p, s in zip(prompts, seqs):

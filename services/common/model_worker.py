@@ -1,0 +1,113 @@
+"""What prefill and decode workers share: the engine on its own thread, the KV store, the
+view of other workers' heartbeats, CPU pinning, progress reports, and prefix hits read from
+the KV store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from engine.engine import StepOutput
+from engine.factory import build_engine
+from services.common.engine_loop import EngineLoop
+from services.common.runtime import Worker
+from shared import bus
+from shared.config import parse_cpus
+from shared.kv import block_key, open_store
+from shared.messages import Heartbeat, Progress, RequestMeta
+from shared.metrics import kv_metrics, stage_metrics
+from shared.registry import WorkerRegistry
+
+#: Seconds between Progress events for requests this worker holds before their first token.
+PROGRESS_INTERVAL_S = 2.0
+
+
+class ModelWorker(Worker):
+    """Base of PrefillWorker and DecodeWorker. Subclasses implement ``_on_outputs`` and
+    ``_on_step_error`` and may extend ``setup``/``serve``."""
+
+    async def setup(self) -> None:
+        if self.settings.cpu_affinity:
+            os.sched_setaffinity(0, parse_cpus(self.settings.cpu_affinity))
+        self.engine = await asyncio.to_thread(build_engine, self.settings)
+        self.store = open_store(self.settings)
+        self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
+        self.gateways_seen: set[str] = set()
+        self.metrics = stage_metrics(self.stage)
+        self.kv_metrics = kv_metrics()
+        self.waiting_first_token: dict[str, RequestMeta] = {}
+        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
+                                      self.metrics).start()
+
+    async def serve(self) -> None:
+        async def on_heartbeat(hb) -> None:
+            if isinstance(hb, Heartbeat):
+                self.registry.observe(hb)
+                if hb.stage == "gateway":
+                    self.gateways_seen.add(hb.inbox)
+
+        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
+        self.spawn(self._progress_loop(), "progress")
+
+    def engine_heartbeat_fields(self) -> dict:
+        loop = getattr(self, "engine_loop", None)
+        if loop is None:
+            return {}
+        return {"prefill_tokens_per_s": round(loop.prefill_tokens_per_s, 1),
+                "decode_step_s": round(loop.decode_step_s, 5),
+                "queued_prefill_tokens": loop.queued_prefill_tokens(),
+                "kv_dtype": self.engine.layout.dtype,
+                "kv_bytes_per_token": self.engine.bytes_per_token}
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
+        raise NotImplementedError
+
+    async def _progress_loop(self) -> None:
+        """Tell the gateways of requests still before their first token that they are being
+        worked on: a long prefill (or a queue behind one) is busy, not stuck."""
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            for rid, meta in list(self.waiting_first_token.items()):
+                self.post(meta.reply_to, Progress(request_id=rid, stage=self.stage))
+
+    def pick_postfilter(self, request_id: str) -> str | None:
+        """The inbox of the live postfilter instance that owns ``request_id``."""
+        owner = self.registry.pick("postfilter", request_id)
+        return owner.inbox if owner else None
+
+    async def import_store_hits(self, request_id: str, block_hashes: list[bytes], num_prompt_tokens: int) -> int:
+        """Blocks of a prompt that another worker already staged count as prefix hits: read
+        the leading run this worker lacks from the store into its prefix cache, so the engine
+        computes only the rest. Any failure just means computing more. Returns the number of
+        prompt tokens imported."""
+        if not self.settings.enable_prefix_caching:
+            return 0
+        hashes = block_hashes[: (num_prompt_tokens - 1) // self.settings.block_size]
+        num_local = self.engine.cached_block_hashes(hashes)
+        wanted = hashes[num_local:]
+        if not wanted:
+            return 0
+        dtype = self.engine.layout.dtype
+        keys = [block_key(h, dtype) for h in wanted]
+        started = time.perf_counter()
+        try:
+            present = await asyncio.to_thread(self.store.exists, keys)
+            run = next((i for i, p in enumerate(present) if not p), len(present))
+            if run == 0:
+                return 0
+            data = await asyncio.to_thread(self.store.get, keys[:run])
+            run = next((i for i, d in enumerate(data) if d is None), len(data))
+            if run == 0:
+                return 0
+            imported = await self.engine_loop.call(lambda e: e.import_cached_blocks(wanted[:run], data[:run]))
+        except Exception as exc:
+            self.log.warning("store_prefix_lookup_failed", request_id=request_id, error=str(exc))
+            return 0
+        self.kv_metrics["get_bytes"].inc(sum(len(d) for d in data[:run]))
+        self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
+        self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "store").inc(imported * self.settings.block_size)
+        return imported * self.settings.block_size

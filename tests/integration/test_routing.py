@@ -1,0 +1,53 @@
+"""Where prompts are prefilled: aggregated serving (decode workers prefill their own prompts,
+no prefill worker at all) and conditional routing (short prompts locally, long ones on a
+prefill worker) — both still token-identical to transformers' greedy output."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.integration.test_pipeline import chat_body, reference_text
+from tests.pipeline_fixture import deployment, heartbeats, metric_value
+
+pytestmark = pytest.mark.timeout(400)
+
+SHORT = "Hello there"
+LONG = "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 " * 6
+
+
+def test_aggregated_serving_needs_no_prefill_worker(tmp_path, tiny_model_dir, tiny_model, nats_url):
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    with deployment(tmp_path, str(tiny_model_dir), ns, replicas={"prefill": 0}, routing="aggregated",
+                    block_size=4) as dep, httpx.Client(base_url=dep.url, timeout=60) as client:
+        assert not any(h.stage == "prefill" for h in heartbeats(dep.settings).values())
+        for content in (SHORT, LONG):
+            expected, _, n_prompt = reference_text(tiny_model, content, 12)
+            body = client.post("/v1/chat/completions", json=chat_body(content, max_tokens=12)).json()
+            assert body["choices"][0]["message"]["content"] == expected
+            assert body["usage"]["prompt_tokens"] == n_prompt
+        # a repeated prompt hits the decode worker's own prefix cache
+        again = client.post("/v1/chat/completions", json=chat_body(LONG, max_tokens=12)).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_conditional_routing_sends_short_prompts_local_and_long_ones_remote(tmp_path, tiny_model_dir, tiny_model,
+                                                                             nats_url):
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    n_short, n_long = (reference_text(tiny_model, c, 1)[2] for c in (SHORT, LONG))
+    assert n_short < n_long
+    limit = (n_short + n_long) // 2
+    with deployment(tmp_path, str(tiny_model_dir), ns, routing="conditional", router_local_max_tokens=limit,
+                    block_size=4) as dep, httpx.Client(base_url=dep.url, timeout=60) as client:
+        for content in (SHORT, LONG, SHORT):
+            expected, _, _ = reference_text(tiny_model, content, 12)
+            body = client.post("/v1/chat/completions", json=chat_body(content, max_tokens=12)).json()
+            assert body["choices"][0]["message"]["content"] == expected
+        live = heartbeats(dep.settings)
+        tok = next(h for h in live.values() if h.stage == "tokenizer")
+        assert metric_value(tok.metrics_port, "pd_router_decisions_total", 'target="local"') == 2
+        assert metric_value(tok.metrics_port, "pd_router_decisions_total", 'target="remote"') == 1
+        prefill = next(h for h in live.values() if h.stage == "prefill")
+        assert metric_value(prefill.metrics_port, "pd_prefill_tasks_total") == 1
