@@ -136,7 +136,8 @@ def prefix_ttft(settings: Settings, total: int = 2048, cached: int = 1792) -> di
     cold = ttft(engine, 1)  # also fills the prefix cache with `base`
     local = ttft(engine, 2)
     # another worker: the prefix arrives as exported blocks (what the KV store hands over)
-    engine.add_request("exporter", base + [1, 2, 3], sp, stop_after_prefill=True)
+    engine.add_request("exporter", base + [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0),
+                       stop_after_prefill=True)
     exported = None
     while engine.has_unfinished():
         for out in engine.step():

@@ -60,8 +60,10 @@ def cmd_up(args) -> int:
                 "postfilter": args.postfilter, "gateway": 1}
     state_dir = _state_dir(args, settings)
 
+    affinity = launcher.pin_model_workers(replicas) if args.pin else None
+
     def start():
-        return launcher.up(settings, replicas, state_dir, args.ready_timeout)
+        return launcher.up(settings, replicas, state_dir, args.ready_timeout, affinity=affinity)
 
     if args.detach:
         print("pdserve: starting in the background ...", flush=True)
@@ -142,7 +144,8 @@ def _bench(module: str):
 
 
 #: ``pdserve bench <name> [options]``: each benchmark parses its own options.
-BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus"), "engine": _bench("bench_engine")}
+BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus"), "engine": _bench("bench_engine"),
+              "modes": _bench("bench_modes"), "load": _bench("loadgen")}
 
 
 def cmd_chaos(args) -> int:
@@ -163,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true", help="return once ready; stop with 'pdserve down'")
     for stage in ("tokenizer", "prefill", "decode", "postfilter"):
         up.add_argument(f"--{stage}", type=int, default=1, metavar="N", help=f"{stage} replicas (default 1)")
+    up.add_argument("--pin", action="store_true", help="pin each prefill/decode replica to its own CPU")
     up.add_argument("--port", type=int, help="gateway port (default PD_GATEWAY_PORT or 8000)")
     up.add_argument("--kv-store", choices=("shm", "redis"), help="KV store (default PD_KV_STORE or shm)")
     up.add_argument("--state-dir", default=None,

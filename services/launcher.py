@@ -41,6 +41,7 @@ class Deployment:
     settings: Settings
     state_dir: Path
     replicas: dict[str, int]
+    affinity: dict[str, str] = field(default_factory=dict)  # process name → CPU list
     procs: list[Proc] = field(default_factory=list)
     nats_proc: subprocess.Popen | None = None
     redis_proc: subprocess.Popen | None = None
@@ -170,6 +171,8 @@ def spawn(dep: Deployment, name: str) -> Proc:
     env["PD_INSTANCE_ID"] = f"{name}-{os.urandom(3).hex()}"
     env["PD_METRICS_PORT"] = "0" if stage != "gateway" else str(dep.settings.metrics_port)
     env["PD_TORCH_THREADS"] = str(threads)
+    if name in dep.affinity:
+        env["PD_CPU_AFFINITY"] = dep.affinity[name]
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars inside JSON logs
@@ -299,8 +302,15 @@ def state_file(state_dir: Path) -> Path:
     return state_dir / "state.json"
 
 
+def pin_model_workers(replicas: dict[str, int]) -> dict[str, str]:
+    """One CPU per prefill/decode replica, round-robin over the CPUs this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    names = [f"{stage}-{i}" for stage in MODEL_STAGES for i in range(replicas.get(stage, 0))]
+    return {name: str(cpus[k % len(cpus)]) for k, name in enumerate(names)}
+
+
 def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_timeout_s: float,
-       quiet: bool = False) -> Deployment:
+       quiet: bool = False, affinity: dict[str, str] | None = None) -> Deployment:
     """Start a deployment; returns once the gateway is ready (or raises SystemExit)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "logs").mkdir(exist_ok=True)
@@ -309,7 +319,7 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
         state = json.loads(existing.read_text())
         if any(_alive(pid) for pid in [*state.get("pids", []), state.get("launcher_pid") or 0] if pid):
             raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
-    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet)
+    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet, affinity=affinity or {})
     from engine.model_loader import ensure_model
 
     folder = ensure_model(settings, progress=not quiet)

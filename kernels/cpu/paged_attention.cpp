@@ -168,6 +168,64 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   return out.to(query.scalar_type());
 }
 
+// y = x W^T (+ bias) for a few rows of x: decode steps of small batches multiply a handful
+// of activations by every weight matrix, which is memory-bound. Each weight row is streamed
+// from memory once and dotted with all rows of x while it is in cache; rows of W are split
+// across threads. (General matmul libraries tune for large M and read W at about half the
+// machine's bandwidth at M = 1 here.)
+//   x      [M, K] float32, M <= 16
+//   weight [N, K] float32
+//   bias   [N] float32 or empty
+//   returns [M, N] float32
+torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bad shapes");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.size(0) <= 64, "at most 64 rows");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto out = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bias.defined() && bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* w = wp + n * K;
+      const float b = bp ? bp[n] : 0.f;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {  // four rows of x per pass over the weight row
+        const float* x0 = xp + m * K;
+        const float* x1 = x0 + K;
+        const float* x2 = x1 + K;
+        const float* x3 = x2 + K;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t k = 0; k < K; ++k) {
+          const float wk = w[k];
+          a0 += wk * x0[k];
+          a1 += wk * x1[k];
+          a2 += wk * x2[k];
+          a3 += wk * x3[k];
+        }
+        op[m * N + n] = a0 + b;
+        op[(m + 1) * N + n] = a1 + b;
+        op[(m + 2) * N + n] = a2 + b;
+        op[(m + 3) * N + n] = a3 + b;
+      }
+      for (; m < M; ++m) {
+        const float* xr = xp + m * K;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; ++k) acc += w[k] * xr[k];
+        op[m * N + n] = acc + b;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("linear_small_batch", &linear_small_batch, "x W^T for a few rows of x (CPU)");
 }

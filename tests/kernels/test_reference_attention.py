@@ -92,3 +92,22 @@ def test_cpu_kernel_matches_reference_decode(kv_dtype, heads, kvh, d):
     want = ref.paged_decode_attention(q, kc, vc, tables, lengths, d ** -0.5)
     got = cpu.paged_decode_attention(q, kc, vc, tables, lengths, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 64])
+def test_cpu_small_batch_linear_matches_torch(rows):
+    cpu = _cpu_kernel()
+    torch.manual_seed(rows)
+    w, b, x = torch.randn(300, 96), torch.randn(300), torch.randn(rows, 96)
+    ext = cpu.load()
+    torch.testing.assert_close(ext.linear_small_batch(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ext.linear_small_batch(x, w, torch.empty(0)), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_accelerated_linears_route_small_batches_only():
+    cpu = _cpu_kernel()
+    lin = torch.nn.Linear(32, 8)
+    ref_out = lin(torch.ones(40, 32))
+    assert cpu.accelerate_linears(torch.nn.Sequential(lin)) == 1
+    torch.testing.assert_close(lin(torch.ones(2, 5, 32)), torch.nn.functional.linear(torch.ones(2, 5, 32), lin.weight, lin.bias))
+    torch.testing.assert_close(lin(torch.ones(40, 32)), ref_out)  # 40 rows: torch's own matmul

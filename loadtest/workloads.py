@@ -1,0 +1,136 @@
+"""Workloads: public trace replay and synthetic arrivals, as lists of :class:`RequestSpec`.
+
+Prompts are token-id lists sent to ``/v1/completions`` (every OpenAI-compatible server
+accepts them), so prompt lengths are exact and shared prefixes are shared token for token.
+
+* Azure LLM inference traces 2023 (conversation and code; the Splitwise paper, Patel et al.,
+  ISCA 2024; CC-BY 4.0): arrival times and prompt/output lengths.
+* Mooncake traces (FAST 2025, Apache-2.0): arrival times, lengths and the hash ids of each
+  prompt's 512-token blocks. Requests that list the same leading hash ids share that many
+  blocks of prompt: each hash id becomes a fixed block of token ids, scaled to
+  ``block_tokens`` tokens, so prefix caching meets real sharing.
+* Poisson and gamma (bursty) arrivals with mixed prompt lengths.
+
+The traces were recorded on far larger models and machines: replays scale time (``time_scale``
+multiplies inter-arrival gaps) and cap lengths; every report states the scaling used.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from loadtest.client import RequestSpec
+
+#: Token ids drawn for synthetic prompts stay inside this range (clear of special tokens).
+TOKEN_LOW, TOKEN_HIGH = 1000, 40000
+TRACES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SAMPLES_DIR = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How a trace was fitted to this machine; printed in every report."""
+
+    time_scale: float
+    max_prompt_tokens: int
+    max_output_tokens: int
+    block_tokens: int = 0
+    note: str = ""
+
+    def describe(self) -> str:
+        s = (f"inter-arrival gaps × {self.time_scale:g}, prompts capped at {self.max_prompt_tokens} tokens, "
+             f"outputs at {self.max_output_tokens}")
+        if self.block_tokens:
+            s += f", Mooncake 512-token blocks scaled to {self.block_tokens} tokens"
+        return s + (f"; {self.note}" if self.note else "")
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
+
+
+def trace_path(name: str) -> Path:
+    """A trace file from ``../shared/traces`` (the full public traces) or the bundled samples."""
+    for folder in (TRACES_DIR, SAMPLES_DIR):
+        path = folder / name
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"trace {name} is in neither {TRACES_DIR} nor {SAMPLES_DIR}")
+
+
+def azure(name: str, n: int, scaling: Scaling, seed: int = 0, start: int = 0) -> list[RequestSpec]:
+    """``n`` consecutive requests of an Azure 2023 trace (``azure2023_conv.csv`` or
+    ``azure2023_code.csv``) from row ``start``."""
+    rng = random.Random(seed)
+    rows = []
+    with open(trace_path(name)) as fh:
+        for i, row in enumerate(csv.DictReader(fh)):
+            if i < start:
+                continue
+            if len(rows) == n:
+                break
+            rows.append(row)
+    t0 = _ts(rows[0]["TIMESTAMP"])
+    specs = []
+    for row in rows:
+        prompt = min(int(row["ContextTokens"]), scaling.max_prompt_tokens)
+        output = max(1, min(int(row["GeneratedTokens"]), scaling.max_output_tokens))
+        specs.append(RequestSpec(send_at=(_ts(row["TIMESTAMP"]) - t0) * scaling.time_scale,
+                                 prompt=random_tokens(rng, max(1, prompt)), max_tokens=output, chat=False,
+                                 tag=f"prompt={prompt}"))
+    return specs
+
+
+def _ts(text: str) -> float:
+    # "2023-11-16 18:17:03.9799600": seven fractional digits
+    head, _, frac = text.partition(".")
+    return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
+
+
+def mooncake(name: str, n: int, scaling: Scaling, seed: int = 0) -> list[RequestSpec]:
+    """``n`` requests of a Mooncake trace with prefix sharing by hash id (see module doc)."""
+    block = scaling.block_tokens or 64
+    blocks: dict[int, list[int]] = {}
+
+    def block_of(hash_id: int) -> list[int]:
+        if hash_id not in blocks:
+            blocks[hash_id] = random_tokens(random.Random(seed * 1_000_003 + hash_id), block)
+        return blocks[hash_id]
+
+    specs = []
+    with open(trace_path(name)) as fh:
+        for line in fh:
+            if len(specs) == n:
+                break
+            rec = json.loads(line)
+            prompt: list[int] = []
+            for h in rec["hash_ids"]:
+                prompt.extend(block_of(h))
+            length = min(max(1, rec["input_length"] * block // 512), scaling.max_prompt_tokens, len(prompt))
+            output = max(1, min(rec["output_length"], scaling.max_output_tokens))
+            specs.append(RequestSpec(send_at=rec["timestamp"] / 1000.0 * scaling.time_scale, prompt=prompt[:length],
+                                     max_tokens=output, chat=False, tag=f"prompt={length}"))
+    return specs
+
+
+def synthetic(n: int, rate_per_s: float, prompt_lengths: list[tuple[int, float]], output_tokens: int,
+              burstiness: float = 1.0, seed: int = 0) -> list[RequestSpec]:
+    """``n`` requests arriving at ``rate_per_s``: Poisson when ``burstiness`` is 1, bursty
+    (gamma inter-arrivals with shape 1/burstiness, the same mean) above 1. Prompt lengths are
+    drawn from ``[(length, weight), ...]``."""
+    rng = random.Random(seed)
+    lengths, weights = zip(*prompt_lengths)
+    t = 0.0
+    specs = []
+    shape = 1.0 / burstiness
+    for _ in range(n):
+        length = rng.choices(lengths, weights)[0]
+        specs.append(RequestSpec(send_at=t, prompt=random_tokens(rng, length), max_tokens=output_tokens, chat=False,
+                                 tag=f"prompt={length}"))
+        t += rng.gammavariate(shape, 1.0 / (rate_per_s * shape))
+    return specs
