@@ -206,6 +206,11 @@ class Settings:
     # --- logging ------------------------------------------------------------------------
     log_level: str = _doc("DEBUG, INFO, WARNING or ERROR.", default="INFO")
     log_json: bool = _doc("JSON logs (true) or human-readable console logs (false).", default=True)
+    tracing: str = _doc(
+        "OpenTelemetry tracing: empty (off), otlp (to PD_OTEL_ENDPOINT), console, or file:<folder>.",
+        default="",
+    )
+    otel_endpoint: str = _doc("OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces.", default="")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: typing.Any) -> Settings:

@@ -68,7 +68,8 @@ class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
 
     ``reply_to`` is the gateway instance's inbox subject; ``deadline_at`` is unix seconds
     after which every stage drops the request; ``cache_salt`` separates tenants' prefix
-    caches; ``headers`` carries trace context.
+    caches; ``headers`` carries trace context; ``marks`` is the request's timeline so far,
+    ``(event, unix seconds)`` appended by each stage (``shared/timeline.py``).
     """
 
     request_id: str
@@ -78,6 +79,7 @@ class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
     deadline_at: float
     cache_salt: str = ""
     headers: dict[str, str] = {}
+    marks: list[tuple[str, float]] = []
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -175,6 +177,7 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     deadline_at: float = 0.0
+    headers: dict[str, str] = {}
 
     @classmethod
     def of(cls, meta: RequestMeta, sampling: SamplingParams, num_prompt_tokens: int, num_cached_tokens: int) -> StreamSpec:
@@ -186,6 +189,7 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=num_cached_tokens,
             deadline_at=meta.deadline_at,
+            headers=meta.headers,
         )
 
 
@@ -206,6 +210,7 @@ class TokenChunk(_Message, tag="tokens"):
     logprobs: list[TokenLogprob] | None = None
     worker: str = ""
     replay: bool = False
+    marks: list[tuple[str, float]] = []
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -246,6 +251,7 @@ class TextChunk(_Message, tag="text"):
     usage: Usage | None = None
     logprobs: list[OutputLogprob] | None = None
     source: str = ""
+    marks: list[tuple[str, float]] = []
 
 
 class Accepted(_Message, tag="accepted"):

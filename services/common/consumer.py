@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 
 from shared import bus
 from shared.errors import PdError, PoisonMessage
+from shared.logging import request_scope
 from shared.messages import decode_as
 from shared.metrics import stage_metrics
 from shared.subjects import WorkQueue
@@ -184,7 +185,10 @@ class PullConsumer:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            outcome = await self.handler(item) or "ok"
+            with request_scope(item.request_id):
+                outcome = await self.handler(item) or "ok"
+                self.log.debug("task_done", outcome=outcome, delivery=item.num_delivered,
+                               ms=round((time.perf_counter() - started) * 1e3, 2))
         except PdError as exc:
             outcome = exc.code or exc.type
             if exc.ack_action == "nak" and not item.is_last_delivery and not self.worker.stopping.is_set():

@@ -38,6 +38,7 @@ from shared.messages import (
 from shared.metrics import ProbeServer
 from shared.models import served_model_name
 from shared.subjects import Protocol
+from shared.tracing import configure_tracing
 
 log = get_logger(__name__)
 
@@ -190,6 +191,7 @@ class Worker:
     async def start(self) -> None:
         s = self.settings
         configure_logging(self.stage, self.instance_id, s.log_level, s.log_json)
+        configure_tracing(self.stage, s.tracing, s.otel_endpoint)
         self._probe = ProbeServer(s.metrics_host, s.metrics_port, lambda: self.ready and bool(self.nc and self.nc.is_connected)).start()
         self.log.info("starting", metrics_port=self._probe.port, nats=s.nats_url, namespace=s.namespace)
         self.nc = await bus.connect(s, f"pdserve-{self.instance_id}")

@@ -51,6 +51,8 @@ from shared.messages import (
     decode_as,
     encode,
 )
+from shared.timeline import now_mark
+from shared.tracing import span, start_span
 
 #: How long a new owner waits for the old postfilter's answer about a request's tokens.
 RESUME_TIMEOUT_S = 1.0
@@ -63,6 +65,7 @@ class ActiveRequest:
     postfilter: str
     started_at: float = field(default_factory=time.monotonic)
     seq: object = None  # the engine's Sequence once admitted (read-only here)
+    marks: list = field(default_factory=list)  # the request's timeline, with this worker's marks
 
 
 class DecodeWorker(ModelWorker):
@@ -107,6 +110,10 @@ class DecodeWorker(ModelWorker):
                 task = req.task
                 spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), out.seq.num_cached_tokens)
                 self.waiting_first_token.pop(out.request_id, None)
+            marks = []
+            if out.finished:
+                req.marks.append(now_mark("decode.last_token"))
+                marks = req.marks
             self.post(req.postfilter, TokenChunk(
                 request_id=out.request_id,
                 index=out.index,
@@ -115,6 +122,7 @@ class DecodeWorker(ModelWorker):
                 finish_reason=out.finish_reason,
                 logprobs=out.logprobs if req.task.sampling.logprobs is not None else None,
                 worker=self.instance_id,
+                marks=marks,
             ))
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)
@@ -256,8 +264,10 @@ class DecodeWorker(ModelWorker):
             await self._drop_tail(task)
             await item.ack()
             return "dropped"
-        req = ActiveRequest(task, asyncio.get_running_loop().create_future(), task.postfilter)
+        req = ActiveRequest(task, asyncio.get_running_loop().create_future(), task.postfilter,
+                            marks=[*meta.marks, now_mark("decode.fetched")])
         self.active[rid] = req
+        decode_span = start_span("decode", meta.headers, request_id=rid, delivery=item.num_delivered)
         try:
             output_ids, replay, finished = list(task.output_token_ids), False, False
             if item.num_delivered > 1 and req.postfilter:
@@ -269,7 +279,8 @@ class DecodeWorker(ModelWorker):
                 req.postfilter = self._new_postfilter(rid)  # a local prefill: this worker opens the stream
             if not output_ids:
                 self.waiting_first_token[rid] = meta
-            blocks, tail = await self._fetch_kv(task)
+            with span("decode.kv_get", decode_span.headers, has_kv=task.kv is not None):
+                blocks, tail = await self._fetch_kv(task)
             handle = task.kv
             hashes = handle.block_hashes if handle else task.block_hashes
             if handle is None and hashes:
@@ -277,6 +288,7 @@ class DecodeWorker(ModelWorker):
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
                 rid, task.prompt_token_ids, output_ids, task.sampling, hashes, blocks, tail,
                 cache_salt=meta.cache_salt))
+            req.marks.append(now_mark("decode.kv_loaded" if handle is not None else "decode.admitted"))
             await self._drop_tail(task)
             if replay:
                 self._replay(req, rid, output_ids)
@@ -290,6 +302,7 @@ class DecodeWorker(ModelWorker):
             await item.ack()
             return "aborted" if reason == "abort" else "ok"
         finally:
+            decode_span.end()
             self.active.pop(rid, None)
             self.waiting_first_token.pop(rid, None)
             self.consumer.notify_room()

@@ -14,9 +14,12 @@ import json
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +39,7 @@ from services.gateway.openai_models import (
 from services.gateway.pipeline import PipelineClient
 from services.gateway.responses import Responses, sse
 from services.gateway.run import Choice, RequestRun
+from services.gateway.timelines import Timeline
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
 from shared.errors import (
@@ -51,10 +55,14 @@ from shared.logging import get_logger, request_scope
 from shared.messages import ChatMessage, RequestMeta, SamplingParams, TokenizeTask
 from shared.metrics import gateway_metrics
 from shared.models import is_complete, model_dir, served_model_name
+from shared.timeline import now_mark
+from shared.tracing import start_span
 
 log = get_logger("gateway")
 
 KEEPALIVE_S = 15.0
+#: Timelines kept for /debug/timeline.
+MAX_TIMELINES = 1000
 ENDPOINT_LABELS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
@@ -84,6 +92,7 @@ class Gateway:
         self.prompts: PromptProcessor | None = None
         self.admission = Admission(settings)
         self.shutting_down_at: float | None = None
+        self.timelines: OrderedDict[str, Timeline] = OrderedDict()
         self.metrics = gateway_metrics()
         self.created = int(time.time())
 
@@ -251,7 +260,7 @@ class Gateway:
         return self.admission.authenticate(request.headers.get("authorization"))
 
     async def serve(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str,
-                    tenant: str) -> Response:
+                    tenant: str, received_at: float) -> Response:
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
@@ -271,13 +280,28 @@ class Gateway:
                 raise ServiceUnavailable(f"no live worker for stage(s) {', '.join(down)} for "
                                          f"{self.settings.stage_down_grace_s:.0f}s")
 
+        gateway_span = start_span("gateway", None, request_id=request_id, endpoint=endpoint)
+        published = now_mark("gateway.published")
+        choices = [replace(c, task=msgspec.structs.replace(c.task, meta=msgspec.structs.replace(
+            c.task.meta, headers=gateway_span.headers))) for c in choices]
         run = RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
                          on_tick=on_tick, first_token_timeout_s=self.settings.first_token_timeout_s)
         run.tenant = tenant  # type: ignore[attr-defined]
+        run.timeline = Timeline(request_id, [("gateway.received", received_at), published])  # type: ignore[attr-defined]
+        run.span = gateway_span  # type: ignore[attr-defined]
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
         if not req.stream:
             return await self._complete(endpoint, run, responses)
         return await self._stream(endpoint, run, responses)
+
+    def _finish_timeline(self, run: RequestRun) -> Timeline:
+        tl: Timeline = run.timeline  # type: ignore[attr-defined]
+        tl.end(run.choices)
+        self.timelines[tl.request_id] = tl
+        while len(self.timelines) > MAX_TIMELINES:
+            self.timelines.popitem(last=False)
+        run.span.end()  # type: ignore[attr-defined]
+        return tl
 
     def _begin(self) -> None:
         self.admission.inflight += 1
@@ -300,7 +324,9 @@ class Gateway:
         finally:
             self._end(run)
         self._observe(endpoint, run, "ok")
-        return JSONResponse(responses.complete(run.choices))
+        body = responses.complete(run.choices)
+        tl = self._finish_timeline(run)
+        return JSONResponse(body, headers={"X-PD-Timeline": tl.header()})
 
     async def _stream(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
         self._begin()
@@ -327,12 +353,15 @@ class Gateway:
                         continue
                     if d.text or d.finish_reason is not None or d.logprobs:
                         if d.text:
+                            if run.first_token_at is not None and not run.timeline.first_flush:  # type: ignore[attr-defined]
+                                run.timeline.first_flush = time.time()  # type: ignore[attr-defined]
                             self._observe_token(run)
                         last_write = time.monotonic()
                         yield responses.delta_chunk(d, run.choices)
                 if responses.include_usage:
                     yield responses.usage_chunk(run.choices)
                 yield sse("[DONE]")
+                self._finish_timeline(run)
             except PdError as exc:
                 outcome = exc.code or exc.type
                 exc_info = (type(exc), exc)
@@ -452,20 +481,23 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
 
     @app.post("/v1/chat/completions", openapi_extra=bodies["chat"])
     async def chat_completions(request: Request):
+        received_at = time.time()
         tenant = gw.authenticate(request)
         req = gw.parse(ChatCompletionRequest, await gw.read_json(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with request_scope(request_id, user=req.user or ""):
-            return await gw.serve(request, "chat", req, gw.chat_choices(req, request_id, tenant), request_id, tenant)
+            return await gw.serve(request, "chat", req, gw.chat_choices(req, request_id, tenant), request_id, tenant,
+                                  received_at)
 
     @app.post("/v1/completions", openapi_extra=bodies["completion"])
     async def completions(request: Request):
+        received_at = time.time()
         tenant = gw.authenticate(request)
         req = gw.parse(CompletionRequest, await gw.read_json(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         with request_scope(request_id, user=req.user or ""):
             return await gw.serve(request, "completion", req, gw.completion_choices(req, request_id, tenant),
-                                  request_id, tenant)
+                                  request_id, tenant, received_at)
 
     @app.post("/tokenize", openapi_extra=bodies["tokenize"])
     async def tokenize(request: Request):
@@ -492,6 +524,17 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
         body = {"status": "ready" if ok else "not ready", "nats": client.is_connected, "missing_stages": missing,
                 "workers": {s: len(client.registry.live(s)) for s in ("tokenizer", "prefill", "decode", "postfilter")}}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/debug/timeline/{request_id}")
+    async def timeline(request_id: str, request: Request):
+        """Where one recent request spent its time (phases that add up to its end-to-end time)."""
+        gw.authenticate(request)
+        tl = gw.timelines.get(request_id)
+        if tl is None:
+            err = PdError(f"no timeline for {request_id!r}: unknown, or older than the last {MAX_TIMELINES} requests")
+            err.status, err.type, err.code = 404, "invalid_request_error", "not_found"  # type: ignore[misc]
+            raise err
+        return tl.to_dict()
 
     @app.get("/metrics")
     async def metrics():

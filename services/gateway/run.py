@@ -54,6 +54,7 @@ class Choice:
     source: str = ""
     gap_since: float = 0.0
     resend_asked_at: float = 0.0
+    marks: list = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -236,6 +237,7 @@ class RequestRun:
             if event.finish_reason is not None:
                 choice.finish_reason = event.finish_reason
                 choice.usage = event.usage
+                choice.marks = list(event.marks)
             return Delta(choice, text, event.finish_reason, new_logprobs)
         return None
 

@@ -10,6 +10,7 @@ import uvicorn
 from services.gateway.app import create_app
 from shared.config import Settings
 from shared.logging import configure_logging
+from shared.tracing import configure_tracing
 
 
 def main_entry() -> None:
@@ -17,6 +18,7 @@ def main_entry() -> None:
     if not settings.instance_id:
         settings = settings.replace(instance_id=f"gateway-{uuid.uuid4().hex[:8]}")
     configure_logging("gateway", settings.instance_id, settings.log_level, settings.log_json)
+    configure_tracing("gateway", settings.tracing, settings.otel_endpoint)
     app = create_app(settings)
     config = uvicorn.Config(
         app,

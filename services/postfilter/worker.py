@@ -49,6 +49,8 @@ from shared.messages import (
     encode,
 )
 from shared.metrics import stage_metrics
+from shared.timeline import now_mark
+from shared.tracing import start_span
 
 #: Chunks held while waiting for an earlier one, per request, before the request fails.
 MAX_OUT_OF_ORDER = 256
@@ -78,6 +80,7 @@ class RequestState:
     emitted: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    span: object = None
 
 
 class PostfilterWorker(Worker):
@@ -190,7 +193,8 @@ class PostfilterWorker(Worker):
                 return
             spec = chunk.spec
             st = RequestState(spec, Detokenizer(self.tokenizer, spec.skip_special_tokens),
-                              StopMatcher(spec.stop, spec.include_stop_str_in_output), opened_at=time.monotonic())
+                              StopMatcher(spec.stop, spec.include_stop_str_in_output), opened_at=time.monotonic(),
+                              span=start_span("postfilter", spec.headers, request_id=rid))
             self.states[rid] = st
             self.early_at.pop(rid, None)
             st.pending.update(self.early.pop(rid, {}))
@@ -250,9 +254,13 @@ class PostfilterWorker(Worker):
         logprobs = None
         if chunk.logprobs:
             logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[skip : skip + consumed]]
+        marks = []
+        if finish is not None:
+            marks = [*chunk.marks, now_mark("postfilter.final")] if chunk.marks else []
+            st.span.end()
         self.post(st.spec.reply_to, TextChunk(
             request_id=rid, text=text, text_offset=st.text_offset, num_tokens=st.next_index,
-            finish_reason=finish, usage=usage, logprobs=logprobs, source=self.inbox,
+            finish_reason=finish, usage=usage, logprobs=logprobs, source=self.inbox, marks=marks,
         ))
         st.text_offset += len(text)
         st.emitted.append(text)

@@ -25,6 +25,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from engine.engine import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
@@ -37,9 +39,12 @@ from shared.messages import (
     DecodeTask,
     KVHandle,
     PrefillTask,
+    RequestMeta,
     StreamSpec,
     TokenChunk,
 )
+from shared.timeline import with_mark
+from shared.tracing import span
 
 #: Seconds between sweeps of expired staged KV (and updates of the staged-bytes gauge).
 REAP_INTERVAL_S = 2.0
@@ -136,7 +141,7 @@ class PrefillWorker(ModelWorker):
     # --- the work ---------------------------------------------------------------------------
     async def handle(self, item: WorkItem) -> str | None:
         task: PrefillTask = item.message  # type: ignore[assignment]
-        meta = task.meta
+        meta = with_mark(task.meta, "prefill.fetched")
         rid = meta.request_id
         if rid in self.pending:
             item.done = True  # a redelivery of work this worker is doing now: the first delivery acks
@@ -151,16 +156,19 @@ class PrefillWorker(ModelWorker):
         self.pending[rid] = fut
         self.waiting_first_token[rid] = meta
         try:
-            store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
-            await self.engine_loop.call(lambda e: e.add_request(
-                rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
-                cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
-            try:
-                out: StepOutput = await fut
-            except Aborted:
-                await item.ack()
-                return "aborted"
-            await self._hand_off(item, task, out, postfilter, store_hit_tokens)
+            with span("prefill", meta.headers, request_id=rid, prompt_tokens=len(task.prompt_token_ids)) as carry:
+                meta = msgspec.structs.replace(meta, headers=carry or meta.headers)
+                store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
+                await self.engine_loop.call(lambda e: e.add_request(
+                    rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
+                    cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
+                try:
+                    out: StepOutput = await fut
+                except Aborted:
+                    await item.ack()
+                    return "aborted"
+                meta = with_mark(meta, "prefill.first_token")
+                await self._hand_off(item, task, meta, out, postfilter, store_hit_tokens)
         finally:
             self.pending.pop(rid, None)
             self.waiting_first_token.pop(rid, None)
@@ -168,9 +176,9 @@ class PrefillWorker(ModelWorker):
                 fut.cancel()
             self.consumer.notify_room()
 
-    async def _hand_off(self, item: WorkItem, task: PrefillTask, out: StepOutput, postfilter: str,
-                        store_hit_tokens: int) -> None:
-        meta, sp, seq = task.meta, task.sampling, out.seq
+    async def _hand_off(self, item: WorkItem, task: PrefillTask, meta: RequestMeta, out: StepOutput,
+                        postfilter: str, store_hit_tokens: int) -> None:
+        sp, seq = task.sampling, out.seq
         self.kv_metrics["prefix_query_tokens"].labels(self.stage).inc(seq.num_prompt_tokens)
         local_hits = max(0, seq.num_cached_tokens - store_hit_tokens)
         if local_hits:
@@ -179,25 +187,26 @@ class PrefillWorker(ModelWorker):
         self.post(postfilter, TokenChunk(
             request_id=meta.request_id, index=0, token_ids=out.new_token_ids, spec=spec,
             finish_reason=out.finish_reason, logprobs=out.logprobs if sp.logprobs is not None else None,
-            worker=self.instance_id,
+            worker=self.instance_id, marks=meta.marks if out.finish_reason is not None else [],
         ))
         if out.finish_reason is not None:
             await item.ack()
             return
         started = time.perf_counter()
-        try:
-            handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv,
-                                                      self.engine.layout)
-        except KVTransferError as exc:
-            if self.settings.kv_failure_policy == "fail":
-                raise
-            # the store is down: decode recomputes the prompt rather than failing the request
-            self.log.warning("kv_stage_failed_decode_recomputes", request_id=meta.request_id, error=exc.message)
-            handle, written = None, 0
+        with span("prefill.kv_put", tokens=seq.num_prompt_tokens):
+            try:
+                handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv,
+                                                          self.engine.layout)
+            except KVTransferError as exc:
+                if self.settings.kv_failure_policy == "fail":
+                    raise
+                # the store is down: decode recomputes the prompt rather than failing the request
+                self.log.warning("kv_stage_failed_decode_recomputes", error=exc.message)
+                handle, written = None, 0
         self.kv_metrics["put_bytes"].inc(written)
         self.kv_metrics["put_seconds"].inc(time.perf_counter() - started)
         decode = DecodeTask(
-            meta=meta,
+            meta=with_mark(meta, "prefill.published"),
             sampling=sp,
             prompt_token_ids=task.prompt_token_ids,
             output_token_ids=out.new_token_ids,
@@ -205,7 +214,7 @@ class PrefillWorker(ModelWorker):
             kv=handle,
             num_cached_tokens=seq.num_cached_tokens,
         )
-        await bus.publish_task(self.js, self.protocol.decode, decode, meta.request_id, headers=meta.headers or None)
+        await bus.publish_task(self.js, self.protocol.decode, decode, meta.request_id)
         await item.ack()
 
 

@@ -31,6 +31,8 @@ from shared.kv import block_key, open_store
 from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
 from shared.metrics import router_metrics
 from shared.registry import WorkerRegistry
+from shared.timeline import with_mark
+from shared.tracing import span
 
 
 class TokenizerWorker(Worker):
@@ -70,26 +72,28 @@ class TokenizerWorker(Worker):
 
     async def handle(self, item: WorkItem) -> str | None:
         task: TokenizeTask = item.message  # type: ignore[assignment]
-        meta = task.meta
+        meta = with_mark(task.meta, "tokenizer.fetched")
         if not await self.still_wanted(meta, item.num_delivered):
             await item.ack()
             return "dropped"
-        ids = await asyncio.to_thread(self.processor.tokenize, task)
-        max_tokens = self.processor.max_tokens_for(len(ids), task.sampling.max_tokens, task.max_tokens_is_default,
-                                                   param="prompt" if task.messages is None else "messages")
-        sampling = task.sampling
-        if max_tokens != sampling.max_tokens:
-            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
-        extra = hash_extra(self.model_name, self.settings.block_size, meta.cache_salt)
-        hashes = block_hashes(ids, self.settings.block_size, extra)
-        target, reason = await self.route(meta.request_id, ids, hashes)
-        if target == "remote":
-            task_out = PrefillTask(meta=meta, sampling=sampling, prompt_token_ids=ids, block_hashes=hashes)
-            await bus.publish_task(self.js, self.protocol.prefill, task_out, meta.request_id)
-        else:
-            task_out = DecodeTask(meta=meta, sampling=sampling, prompt_token_ids=ids, output_token_ids=[],
-                                  block_hashes=hashes, route=reason)
-            await bus.publish_task(self.js, self.protocol.decode, task_out, meta.request_id)
+        with span("tokenizer", meta.headers, request_id=meta.request_id) as carry:
+            ids = await asyncio.to_thread(self.processor.tokenize, task)
+            max_tokens = self.processor.max_tokens_for(len(ids), task.sampling.max_tokens, task.max_tokens_is_default,
+                                                       param="prompt" if task.messages is None else "messages")
+            sampling = task.sampling
+            if max_tokens != sampling.max_tokens:
+                sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
+            extra = hash_extra(self.model_name, self.settings.block_size, meta.cache_salt)
+            hashes = block_hashes(ids, self.settings.block_size, extra)
+            target, reason = await self.route(meta.request_id, ids, hashes)
+            meta = with_mark(msgspec.structs.replace(meta, headers=carry or meta.headers), "tokenizer.published")
+            if target == "remote":
+                task_out = PrefillTask(meta=meta, sampling=sampling, prompt_token_ids=ids, block_hashes=hashes)
+                await bus.publish_task(self.js, self.protocol.prefill, task_out, meta.request_id)
+            else:
+                task_out = DecodeTask(meta=meta, sampling=sampling, prompt_token_ids=ids, output_token_ids=[],
+                                      block_hashes=hashes, route=reason)
+                await bus.publish_task(self.js, self.protocol.decode, task_out, meta.request_id)
         await self.publish(meta.reply_to, Accepted(request_id=meta.request_id, num_prompt_tokens=len(ids),
                                                    max_tokens=max_tokens))
         await item.ack()

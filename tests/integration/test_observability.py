@@ -1,0 +1,95 @@
+"""Seeing inside the hop: a request's timeline (phases that add up to its end-to-end time),
+one OpenTelemetry trace across all five services, and request ids on every log line."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.pipeline_fixture import deployment
+
+pytestmark = pytest.mark.timeout(300)
+
+CRITICAL_PATH = ["gateway", "queue.tokenizer", "tokenize", "queue.prefill", "prefill", "kv_put", "queue.decode",
+                 "kv_get", "decode", "postfilter", "respond"]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, tiny_model_dir, nats_url):
+    tmp = tmp_path_factory.mktemp("traced")
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    with deployment(tmp, str(tiny_model_dir), ns, tracing=f"file:{tmp / 'spans'}", log_level="DEBUG",
+                    block_size=4) as dep:
+        yield dep, tmp / "spans"
+
+
+def test_timeline_phases_add_up_to_the_end_to_end_time(traced):
+    dep, _ = traced
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Tell me about rivers and the sea"}],
+            "max_tokens": 12, "temperature": 0}
+    with httpx.Client(base_url=dep.url, timeout=60) as client:
+        started = time.perf_counter()
+        resp = client.post("/v1/chat/completions", json=body)
+        wall_ms = (time.perf_counter() - started) * 1e3
+        assert resp.status_code == 200
+        header = dict(part.split("=") for part in resp.headers["x-pd-timeline"].split(";"))
+        assert list(header)[:-1] == CRITICAL_PATH
+        timeline = client.get(f"/debug/timeline/{resp.json()['id']}").json()
+        choice = timeline["choices"][0]
+        assert [p["phase"] for p in choice["phases"]] == CRITICAL_PATH
+        assert abs(choice["sum_ms"] - timeline["e2e_ms"]) <= 0.03 * timeline["e2e_ms"]
+        assert timeline["e2e_ms"] <= wall_ms
+        assert all(p["ms"] >= 0 for p in choice["phases"])
+        # streamed requests get a timeline too, with the time to the first SSE flush
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            rid = None
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    rid = json.loads(line[6:])["id"]
+        streamed = client.get(f"/debug/timeline/{rid}").json()
+        assert 0 < streamed["ttft_ms"] < streamed["e2e_ms"]
+        assert client.get("/debug/timeline/chatcmpl-nope").status_code == 404
+
+
+def test_one_trace_spans_all_five_services(traced):
+    dep, spans_dir = traced
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 6,
+            "temperature": 0}
+    with httpx.Client(base_url=dep.url, timeout=60) as client:
+        rid = client.post("/v1/chat/completions", json=body).json()["id"]
+    time.sleep(1.0)
+    spans = [json.loads(line) for f in spans_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
+    mine = [s for s in spans if s["attributes"].get("request_id", "").startswith(rid)]
+    services = {s["service"] for s in mine}
+    assert services == {"pdserve-gateway", "pdserve-tokenizer", "pdserve-prefill", "pdserve-decode",
+                        "pdserve-postfilter"}, services
+    assert len({s["trace_id"] for s in mine}) == 1
+    trace_id = mine[0]["trace_id"]
+    in_trace = [s for s in spans if s["trace_id"] == trace_id]
+    ids = {s["span_id"] for s in in_trace}
+    roots = [s for s in in_trace if s["parent_id"] is None]
+    # the root is the HTTP server span (FastAPI's own, where it is instrumented) or ours
+    assert len(roots) == 1 and roots[0]["name"] in ("gateway", "POST /v1/chat/completions")
+    assert all(s["parent_id"] in ids for s in in_trace if s["parent_id"])
+    names = {s["name"] for s in in_trace}
+    assert {"prefill.kv_put", "decode.kv_get"} <= names
+
+
+def test_log_lines_of_a_request_carry_its_id(traced):
+    dep, _ = traced
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "log me"}], "max_tokens": 4}
+    with httpx.Client(base_url=dep.url, timeout=60) as client:
+        rid = client.post("/v1/chat/completions", json=body).json()["id"]
+    time.sleep(0.5)
+    done = []
+    for proc in dep.procs:
+        for line in proc.log_path.read_text().splitlines():
+            if line.startswith("{") and '"task_done"' in line:
+                done.append(json.loads(line))
+    mine = [d for d in done if d["request_id"].startswith(rid)]
+    assert {d["service"] for d in mine} == {"tokenizer", "prefill", "decode"}
+    assert all("request_id" in d for d in done)
