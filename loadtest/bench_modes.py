@@ -113,6 +113,13 @@ async def _stall(url: str, model: str, prompt: list[int], background: list[int])
     return statistics.median(gaps), max(gaps)
 
 
+def _vocab(settings: Settings) -> int:
+    from engine.model_loader import ensure_model
+    from services.tokenizer.prompts import model_limits
+
+    return model_limits(ensure_model(settings), 0)[0]
+
+
 def crossover(base: Settings, lengths: list[int], say) -> tuple[int, list[dict]]:
     """The prompt length at which a local prefill's stall of a running stream exceeds the
     hand-off cost of disaggregating it (see module doc). Returns (length, table rows)."""
@@ -120,8 +127,13 @@ def crossover(base: Settings, lengths: list[int], say) -> tuple[int, list[dict]]
 
     rng = random.Random(1)
     model = _model_name(base)
-    prompts = {n: random_tokens(rng, n) for n in lengths}
-    background = random_tokens(rng, 64)
+    vocab = _vocab(base)
+
+    def tokens(n: int) -> list[int]:
+        return random_tokens(rng, n, vocab)
+
+    prompts = {n: tokens(n) for n in lengths}
+    background = tokens(64)
     rows: list[dict] = []
     one_decode = dict(replicas={"prefill": 0, "decode": 1}, affinity={"decode-0": "1"},
                       settings=dict(torch_threads=1, routing="aggregated", max_prefill_chunk_tokens=0,
@@ -131,14 +143,14 @@ def crossover(base: Settings, lengths: list[int], say) -> tuple[int, list[dict]]
     say("modes: measuring the crossover (aggregated, then disaggregated) ...")
     agg: dict[int, tuple[float, float, float]] = {}
     with Deployed(base, one_decode) as dep:
-        asyncio.run(_ttft(dep.url, model, random_tokens(rng, 16)))
+        asyncio.run(_ttft(dep.url, model, tokens(16)))
         for n in lengths:
             ttft = asyncio.run(_ttft(dep.url, model, prompts[n]))
-            usual, longest = asyncio.run(_stall(dep.url, model, random_tokens(rng, n), background))
+            usual, longest = asyncio.run(_stall(dep.url, model, tokens(n), background))
             agg[n] = (ttft, usual, longest)
     with Deployed(base, split) as dep:
-        asyncio.run(_ttft(dep.url, model, random_tokens(rng, 16)))
-        dis = {n: asyncio.run(_ttft(dep.url, model, random_tokens(rng, n))) for n in lengths}
+        asyncio.run(_ttft(dep.url, model, tokens(16)))
+        dis = {n: asyncio.run(_ttft(dep.url, model, tokens(n))) for n in lengths}
     found = None
     for n in lengths:
         ttft_a, usual, longest = agg[n]
@@ -174,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_model(base)
     model = _model_name(base)
+    vocab = _vocab(base)
     rows_x: list[dict] = []
     cross = args.crossover
     if not cross:
@@ -196,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         say(f"modes: {name} ...")
         with Deployed(base, plans[name]) as dep:
-            asyncio.run(_ttft(dep.url, model, random_tokens(__import__("random").Random(9), 16)))
+            asyncio.run(_ttft(dep.url, model, random_tokens(__import__("random").Random(9), 16, vocab)))
             for rate in rates:
-                specs = synthetic(args.requests, rate, mix, args.output_tokens, seed=3)
+                specs = synthetic(args.requests, rate, mix, args.output_tokens, seed=3, vocab_size=vocab)
                 res, wall = asyncio.run(run_workload(dep.url, model, specs, extra={"ignore_eos": True},
                                                      progress=not args.quiet))
                 s = summarize(res, wall, args.slo_ttft, args.slo_tpot)

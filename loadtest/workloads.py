@@ -26,8 +26,15 @@ from pathlib import Path
 
 from loadtest.client import RequestSpec
 
-#: Token ids drawn for synthetic prompts stay inside this range (clear of special tokens).
+#: Token ids drawn for synthetic prompts stay inside this range (clear of special tokens),
+#: narrowed for a smaller vocabulary.
 TOKEN_LOW, TOKEN_HIGH = 1000, 40000
+
+
+def token_range(vocab_size: int | None) -> tuple[int, int]:
+    if not vocab_size or vocab_size >= TOKEN_HIGH:
+        return TOKEN_LOW, TOKEN_HIGH
+    return min(TOKEN_LOW, vocab_size // 4), vocab_size
 TRACES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SAMPLES_DIR = Path(__file__).resolve().parent / "data"
 
@@ -50,8 +57,9 @@ class Scaling:
         return s + (f"; {self.note}" if self.note else "")
 
 
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
+def random_tokens(rng: random.Random, n: int, vocab_size: int | None = None) -> list[int]:
+    low, high = token_range(vocab_size)
+    return [rng.randrange(low, high) for _ in range(n)]
 
 
 def trace_path(name: str) -> Path:
@@ -63,7 +71,8 @@ def trace_path(name: str) -> Path:
     raise FileNotFoundError(f"trace {name} is in neither {TRACES_DIR} nor {SAMPLES_DIR}")
 
 
-def azure(name: str, n: int, scaling: Scaling, seed: int = 0, start: int = 0) -> list[RequestSpec]:
+def azure(name: str, n: int, scaling: Scaling, seed: int = 0, start: int = 0, vocab_size: int | None = None
+          ) -> list[RequestSpec]:
     """``n`` consecutive requests of an Azure 2023 trace (``azure2023_conv.csv`` or
     ``azure2023_code.csv``) from row ``start``."""
     rng = random.Random(seed)
@@ -81,7 +90,7 @@ def azure(name: str, n: int, scaling: Scaling, seed: int = 0, start: int = 0) ->
         prompt = min(int(row["ContextTokens"]), scaling.max_prompt_tokens)
         output = max(1, min(int(row["GeneratedTokens"]), scaling.max_output_tokens))
         specs.append(RequestSpec(send_at=(_ts(row["TIMESTAMP"]) - t0) * scaling.time_scale,
-                                 prompt=random_tokens(rng, max(1, prompt)), max_tokens=output, chat=False,
+                                 prompt=random_tokens(rng, max(1, prompt), vocab_size), max_tokens=output, chat=False,
                                  tag=f"prompt={prompt}"))
     return specs
 
@@ -92,14 +101,14 @@ def _ts(text: str) -> float:
     return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
 
 
-def mooncake(name: str, n: int, scaling: Scaling, seed: int = 0) -> list[RequestSpec]:
+def mooncake(name: str, n: int, scaling: Scaling, seed: int = 0, vocab_size: int | None = None) -> list[RequestSpec]:
     """``n`` requests of a Mooncake trace with prefix sharing by hash id (see module doc)."""
     block = scaling.block_tokens or 64
     blocks: dict[int, list[int]] = {}
 
     def block_of(hash_id: int) -> list[int]:
         if hash_id not in blocks:
-            blocks[hash_id] = random_tokens(random.Random(seed * 1_000_003 + hash_id), block)
+            blocks[hash_id] = random_tokens(random.Random(seed * 1_000_003 + hash_id), block, vocab_size)
         return blocks[hash_id]
 
     specs = []
@@ -119,7 +128,7 @@ def mooncake(name: str, n: int, scaling: Scaling, seed: int = 0) -> list[Request
 
 
 def synthetic(n: int, rate_per_s: float, prompt_lengths: list[tuple[int, float]], output_tokens: int,
-              burstiness: float = 1.0, seed: int = 0) -> list[RequestSpec]:
+              burstiness: float = 1.0, seed: int = 0, vocab_size: int | None = None) -> list[RequestSpec]:
     """``n`` requests arriving at ``rate_per_s``: Poisson when ``burstiness`` is 1, bursty
     (gamma inter-arrivals with shape 1/burstiness, the same mean) above 1. Prompt lengths are
     drawn from ``[(length, weight), ...]``."""
@@ -130,7 +139,7 @@ def synthetic(n: int, rate_per_s: float, prompt_lengths: list[tuple[int, float]]
     shape = 1.0 / burstiness
     for _ in range(n):
         length = rng.choices(lengths, weights)[0]
-        specs.append(RequestSpec(send_at=t, prompt=random_tokens(rng, length), max_tokens=output_tokens, chat=False,
+        specs.append(RequestSpec(send_at=t, prompt=random_tokens(rng, length, vocab_size), max_tokens=output_tokens, chat=False,
                                  tag=f"prompt={length}"))
         t += rng.gammavariate(shape, 1.0 / (rate_per_s * shape))
     return specs

@@ -162,6 +162,24 @@ def torch_threads(settings: Settings, replicas: dict[str, int]) -> int:
     return max(1, cores // max(1, workers))
 
 
+def command_of(settings: Settings, stage: str) -> list[str]:
+    """The module (and arguments) that runs ``stage``: ``services.<stage>``, or the stage runner
+    with the class of a pluggable pre-stage (``stage-<name>``)."""
+    if stage.startswith("stage-"):
+        from services.stages.api import refs, stage_name
+
+        ref = next(r for r in refs(settings.pre_stages) if f"stage-{stage_name(r)}" == stage)
+        return ["-m", "services.stage", ref]
+    return ["-m", f"services.{stage}"]
+
+
+def all_stages(settings: Settings) -> list[str]:
+    """Every service of a deployment: the pluggable pre-stages, then the built-in five."""
+    from services.stages.api import refs, stage_name
+
+    return [*(f"stage-{stage_name(r)}" for r in refs(settings.pre_stages)), *STAGES]
+
+
 def spawn(dep: Deployment, name: str) -> Proc:
     """Start one service process (``name`` is ``<stage>-<i>``), logging to ``logs/<name>.log``."""
     stage = name.rsplit("-", 1)[0]
@@ -181,14 +199,14 @@ def spawn(dep: Deployment, name: str) -> Proc:
     log = open(log_path, "ab")
     log.write(f"\n=== pdserve {time.strftime('%Y-%m-%dT%H:%M:%S')} start {name} ===\n".encode())
     log.flush()
-    popen = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], env=env, stdout=log,
+    popen = subprocess.Popen([sys.executable, *command_of(dep.settings, stage)], env=env, stdout=log,
                              stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
     log.close()
     return Proc(name, popen, log_path)
 
 
 def start_services(dep: Deployment) -> None:
-    for stage in STAGES:
+    for stage in all_stages(dep.settings):
         for i in range(dep.replicas.get(stage, 1)):
             dep.procs.append(spawn(dep, f"{stage}-{i}"))
     dep.say("started " + ", ".join(f"{p.name} (pid {p.popen.pid})" for p in dep.procs)
@@ -293,7 +311,7 @@ def terminate(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
 def stop_all(dep: Deployment) -> None:
     """Stop the services (gateway first, so it stops admitting), then NATS/Redis we started."""
     order = {s: i for i, s in enumerate(("gateway", "tokenizer", "prefill", "decode", "postfilter"))}
-    procs = sorted(dep.procs, key=lambda p: order.get(p.name.rsplit("-", 1)[0], 9))
+    procs = sorted(dep.procs, key=lambda p: order.get(p.name.rsplit("-", 1)[0], 0.5))
     terminate([p.popen for p in procs])
     terminate([p for p in (dep.nats_proc, dep.redis_proc) if p is not None], timeout_s=5)
 

@@ -123,6 +123,18 @@ class Settings:
         default=256,
     )
 
+    # --- pluggable stages -------------------------------------------------------------
+    pre_stages: str = _doc(
+        "Pre-processing stages between the gateway and the tokenizer, in order: comma-separated "
+        "module.path:ClassName of PromptStage classes; each runs as its own service.",
+        default="",
+    )
+    text_filters: str = _doc(
+        "Streaming filters over generated text, run in the postfilter, in order: comma-separated "
+        "module.path:ClassName of TextFilter classes.",
+        default="",
+    )
+
     # --- KV store -----------------------------------------------------------------------
     kv_store: str = _doc("shm (one host) or redis (across hosts).", default="shm")
     shm_dir: str = _doc("Folder on a tmpfs for the shared-memory KV store.", default="/dev/shm")
@@ -261,6 +273,13 @@ class Settings:
                 raise SettingsError(f"PD_{name.upper()} must be positive")
         if not self.namespace.replace("_", "").replace("-", "").isalnum():
             raise SettingsError("PD_NAMESPACE may hold letters, digits, '-' and '_' only")
+
+    def protocol(self):
+        """The names (subjects, streams, consumers) of this deployment."""
+        from shared.subjects import Protocol
+
+        names = tuple(r.strip().partition(":")[2].lower() for r in self.pre_stages.split(",") if r.strip())
+        return Protocol(self.namespace, names)
 
     def replace(self, **changes: typing.Any) -> Settings:
         """A copy with some fields changed."""

@@ -97,6 +97,7 @@ def gateway_metrics() -> dict:
         "itl": Histogram("pd_gateway_itl_seconds", "time between content chunks", buckets=LATENCY_BUCKETS),
         "e2e": Histogram("pd_gateway_e2e_seconds", "request end-to-end latency", buckets=LATENCY_BUCKETS),
         "rejected": Counter("pd_gateway_rejected_total", "requests refused before queueing", ["reason"]),
+        "output_tokens": Counter("pd_gateway_output_tokens_total", "output tokens delivered to clients"),
     }
 
 

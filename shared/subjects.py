@@ -30,18 +30,34 @@ class WorkQueue:
 
 @dataclass(frozen=True, slots=True)
 class Protocol:
-    """Names for one namespace."""
+    """Names for one namespace. ``pre_stages`` are the names of pluggable pre-processing
+    stages (``PD_PRE_STAGES``), in order: requests pass through them before the tokenizer."""
 
     namespace: str = "pd"
+    pre_stages: tuple[str, ...] = ()
 
     def _queue(self, stage: str) -> WorkQueue:
         ns = self.namespace
         return WorkQueue(
             stage=stage,
             subject=f"{ns}.{stage}.tasks",
-            stream=f"{ns.upper().replace('-', '_')}_{stage.upper()}_TASKS",
+            stream=f"{ns.upper().replace('-', '_')}_{stage.upper().replace('-', '_')}_TASKS",
             durable=f"{stage}-workers",
         )
+
+    def stage_queue(self, name: str) -> WorkQueue:
+        """TokenizeTask: into the pluggable pre-stage ``name``."""
+        return self._queue(f"stage-{name}")
+
+    @property
+    def entry(self) -> WorkQueue:
+        """Where the gateway sends a request: the first pre-stage, else the tokenizer."""
+        return self.stage_queue(self.pre_stages[0]) if self.pre_stages else self.tokenize
+
+    def after_stage(self, name: str) -> WorkQueue:
+        """Where pre-stage ``name`` passes a request on: the next pre-stage, or the tokenizer."""
+        i = self.pre_stages.index(name)
+        return self.stage_queue(self.pre_stages[i + 1]) if i + 1 < len(self.pre_stages) else self.tokenize
 
     @property
     def tokenize(self) -> WorkQueue:
@@ -60,7 +76,7 @@ class Protocol:
 
     @property
     def work_queues(self) -> tuple[WorkQueue, ...]:
-        return (self.tokenize, self.prefill, self.decode)
+        return (*(self.stage_queue(n) for n in self.pre_stages), self.tokenize, self.prefill, self.decode)
 
     def postfilter_inbox(self, instance_id: str) -> str:
         """Core NATS: TokenChunk stream of the requests assigned to one postfilter instance."""

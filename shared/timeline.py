@@ -48,7 +48,8 @@ def phases(marks: list[tuple[str, float]]) -> list[tuple[str, float]]:
     if prev is None:
         return out
     for name, t in marks:
-        phase = PHASES.get(name)
+        # built-in marks, and "<stage>.done" of pluggable pre-stages
+        phase = PHASES.get(name) or (name.removesuffix(".done") if name.endswith(".done") else None)
         if phase is None:
             continue
         out.append((phase, max(0.0, t - prev)))

@@ -48,11 +48,10 @@ def cleanup(settings: Settings) -> None:
     """Delete the namespace's streams and staged KV."""
     from shared import bus
     from shared.kv import open_store
-    from shared.subjects import Protocol
 
     async def drop() -> None:
         nc = await bus.connect(settings, "pdserve-test-cleanup", max_reconnect_attempts=0)
-        await bus.delete_namespace(nc.jetstream(), Protocol(settings.namespace))
+        await bus.delete_namespace(nc.jetstream(), settings.protocol())
         await nc.close()
 
     try:

@@ -37,7 +37,6 @@ from shared.messages import (
 )
 from shared.metrics import ProbeServer
 from shared.models import served_model_name
-from shared.subjects import Protocol
 from shared.tracing import configure_tracing
 
 log = get_logger(__name__)
@@ -78,7 +77,7 @@ class Worker:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.instance_id = settings.instance_id or f"{self.stage}-{uuid.uuid4().hex[:8]}"
-        self.protocol = Protocol(settings.namespace)
+        self.protocol = settings.protocol()
         self.model_name = served_model_name(settings)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None

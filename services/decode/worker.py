@@ -235,6 +235,7 @@ class DecodeWorker(ModelWorker):
 
     async def _fetch_kv(self, task: DecodeTask) -> tuple[list, bytes | None]:
         handle = task.kv
+        self.kv_metrics["prefix_query_tokens"].labels(self.stage).inc(len(task.prompt_token_ids))
         if handle is None or handle.layout != self.engine.layout:
             return [], None
         num_local = self.engine.cached_block_hashes(handle.block_hashes)

@@ -310,6 +310,7 @@ class Gateway:
     def _end(self, run: RequestRun) -> None:
         self.admission.inflight -= 1
         self.metrics["in_flight"].dec()
+        self.metrics["output_tokens"].inc(sum(c.num_tokens for c in run.choices))
         used = sum(c.num_prompt_tokens + c.num_tokens for c in run.choices)
         self.admission.charge(getattr(run, "tenant", ""), used)
 
@@ -471,7 +472,8 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
     async def models(request: Request):
         gw.authenticate(request)
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": gw.created,
-                                            "owned_by": "pdserve", "max_model_len": gw.max_model_len}]}
+                                            "owned_by": "pdserve", "max_model_len": gw.max_model_len,
+                                            "vocab_size": gw.vocab_size}]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

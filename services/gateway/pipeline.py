@@ -22,7 +22,6 @@ from shared.messages import Abort, Heartbeat, Message, RequestStatus, StatusQuer
 from shared.metrics import queue_metrics
 from shared.models import served_model_name
 from shared.registry import WorkerRegistry
-from shared.subjects import Protocol
 
 log = get_logger(__name__)
 
@@ -35,7 +34,7 @@ class PipelineClient:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.protocol = Protocol(settings.namespace)
+        self.protocol = settings.protocol()
         self.instance_id = settings.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
         self.inbox = self.protocol.gateway_inbox(self.instance_id)
         self.registry = WorkerRegistry(settings.heartbeat_timeout_s)
@@ -133,10 +132,12 @@ class PipelineClient:
     # --- readiness ------------------------------------------------------------------------
     @property
     def required_stages(self) -> tuple[str, ...]:
-        """The stages requests need: aggregated serving has no prefill workers."""
+        """The stages requests need: the pluggable pre-stages, then the pipeline (aggregated
+        serving has no prefill workers)."""
+        stages = tuple(f"stage-{n}" for n in self.protocol.pre_stages) + PIPELINE_STAGES
         if self.settings.routing == "aggregated":
-            return tuple(s for s in PIPELINE_STAGES if s != "prefill")
-        return PIPELINE_STAGES
+            return tuple(s for s in stages if s != "prefill")
+        return stages
 
     def missing_stages(self) -> list[str]:
         """Stages with no live, ready worker now."""
@@ -167,8 +168,7 @@ class PipelineClient:
         Raises:
             ServiceUnavailable: JetStream did not take it.
         """
-        await bus.publish_task(self.js, self.protocol.tokenize, task, task.meta.request_id,
-                               headers=task.meta.headers or None)
+        await bus.publish_task(self.js, self.protocol.entry, task, task.meta.request_id)
 
     async def resend_text(self, source: str, request_id: str, from_offset: int) -> None:
         """Ask the postfilter at ``source`` for a request's text from ``from_offset`` on."""

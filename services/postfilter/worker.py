@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from services.common.runtime import RecentSet, Worker, main
 from services.postfilter.text import Detokenizer, StopMatcher, TokenText
+from services.stages.api import TextFilter, load_class, refs
 from shared import bus
 from shared.errors import PoisonMessage
 from shared.messages import (
@@ -81,6 +82,7 @@ class RequestState:
     finish_reason: str | None = None
     usage: Usage | None = None
     span: object = None
+    filters: list = field(default_factory=list)
 
 
 class PostfilterWorker(Worker):
@@ -93,6 +95,12 @@ class PostfilterWorker(Worker):
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         self.tokenizer = tokenizer.backend_tokenizer
         self.token_text = TokenText(self.tokenizer)
+        self.text_filters = []
+        for ref in refs(self.settings.text_filters):
+            cls = load_class(ref)
+            if not issubclass(cls, TextFilter):
+                raise SystemExit(f"{ref} is not a TextFilter")
+            self.text_filters.append(cls(self.settings))
         self.states: dict[str, RequestState] = {}
         self.done_states: dict[str, tuple[RequestState, float]] = {}
         self.early: dict[str, dict[int, TokenChunk]] = {}
@@ -194,7 +202,8 @@ class PostfilterWorker(Worker):
             spec = chunk.spec
             st = RequestState(spec, Detokenizer(self.tokenizer, spec.skip_special_tokens),
                               StopMatcher(spec.stop, spec.include_stop_str_in_output), opened_at=time.monotonic(),
-                              span=start_span("postfilter", spec.headers, request_id=rid))
+                              span=start_span("postfilter", spec.headers, request_id=rid),
+                              filters=[(f, f.open(rid)) for f in self.text_filters])
             self.states[rid] = st
             self.early_at.pop(rid, None)
             st.pending.update(self.early.pop(rid, {}))
@@ -244,7 +253,7 @@ class PostfilterWorker(Worker):
                 finish = "stop"
             else:
                 pieces.append(st.stop.flush())
-        text = "".join(pieces)
+        text = self._filter(st, "".join(pieces), final=finish is not None)
         if not text and finish is None:
             return
         usage = None
@@ -273,6 +282,15 @@ class PostfilterWorker(Worker):
                 self.done_states.pop(next(iter(self.done_states)))
             if stopped and chunk.finish_reason is None:
                 self.post(self.protocol.abort, Abort(request_id=rid, reason="stop"))
+
+    @staticmethod
+    def _filter(st: RequestState, text: str, final: bool) -> str:
+        """The pluggable text filters (``PD_TEXT_FILTERS``), in order."""
+        for text_filter, state in st.filters:
+            text = text_filter.feed(state, text)
+            if final:
+                text += text_filter.finish(state)
+        return text
 
     def _hand_over(self, rid: str, st: RequestState, worker: str) -> None:
         """``worker`` now owns the request's stream; the previous owner is told to stop."""

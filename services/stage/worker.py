@@ -1,0 +1,78 @@
+"""Runner of a pluggable pre-processing stage: ``python -m services.stage module.path:Class``.
+
+The class (a :class:`~services.stages.api.PromptStage`) only transforms a TokenizeTask; this
+runner pulls tasks from the stage's own work queue (``<ns>.stage-<name>.tasks``, durable
+``stage-<name>-workers``, shared by the stage's replicas), calls the class, publishes the result
+to the next queue (the next pre-stage or the tokenizer) and acks only once that is stored —
+with the same abort, deadline, poison, retry and heartbeat handling as the built-in stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import msgspec
+
+from services.common.consumer import PullConsumer, WorkItem
+from services.common.runtime import Worker
+from services.stages.api import PromptStage, load_class, stage_name
+from shared import bus
+from shared.config import Settings
+from shared.messages import TokenizeTask
+from shared.timeline import with_mark
+from shared.tracing import span
+
+
+class StageWorker(Worker):
+    concurrency = 64
+
+    def __init__(self, settings: Settings, ref: str):
+        self.ref = ref
+        self.name = stage_name(ref)
+        self.stage = f"stage-{self.name}"
+        super().__init__(settings)
+        if self.name not in self.protocol.pre_stages:
+            raise SystemExit(f"{ref} is not in PD_PRE_STAGES={settings.pre_stages!r}")
+
+    async def setup(self) -> None:
+        cls = load_class(self.ref)
+        if not issubclass(cls, PromptStage):
+            raise SystemExit(f"{self.ref} is not a PromptStage")
+        self.plugin: PromptStage = cls()
+        await self.plugin.setup(self.settings)
+
+    async def serve(self) -> None:
+        self.consumer = PullConsumer(self, self.protocol.stage_queue(self.name), TokenizeTask, self.handle,
+                                     capacity=lambda: self.concurrency - len(self.consumer.in_flight))
+        self.spawn(self.consumer.run(), "consume")
+        self.spawn(self.consumer.keepalive(), "keepalive")
+
+    def heartbeat_fields(self) -> dict:
+        consumer = getattr(self, "consumer", None)
+        return {"num_running": len(consumer.in_flight) if consumer else 0, "capacity": self.concurrency}
+
+    async def before_drain(self) -> None:
+        await self.consumer.drain(self.drain_timeout_s / 2)
+
+    async def handle(self, item: WorkItem) -> str | None:
+        task: TokenizeTask = item.message  # type: ignore[assignment]
+        if not await self.still_wanted(task.meta, item.num_delivered):
+            await item.ack()
+            return "dropped"
+        with span(self.stage, task.meta.headers, request_id=task.meta.request_id) as carry:
+            out = await self.plugin.process(task)
+            meta = with_mark(msgspec.structs.replace(out.meta, headers=carry or out.meta.headers), f"{self.stage}.done")
+            await bus.publish_task(self.js, self.protocol.after_stage(self.name), msgspec.structs.replace(out, meta=meta),
+                                   meta.request_id)
+        await item.ack()
+
+
+def main_entry() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m services.stage module.path:ClassName")
+    settings = Settings.from_env()
+    try:
+        asyncio.run(StageWorker(settings, sys.argv[1]).run())
+    except KeyboardInterrupt:
+        pass

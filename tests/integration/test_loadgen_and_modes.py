@@ -1,0 +1,42 @@
+"""The load generator against a running pdserve, and the modes comparison end to end (on the
+tiny model: this checks the machinery, not the targets, which `pdserve bench modes` reports on
+the real model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import bench_modes, loadgen
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_load_generator_replays_a_mooncake_sample_with_prefix_hits(pipeline, tmp_path):
+    code = loadgen.main(["--url", pipeline.url, "--workload", "mooncake", "--requests", "12", "--time-scale", "0.001",
+                         "--max-prompt", "600", "--max-output", "8", "--block-tokens", "16", "--ignore-eos",
+                         "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    summary = data["summaries"]["mooncake"]
+    assert summary["num_ok"] == 12 and summary["output_tokens_per_s"] > 0
+    from loadtest.workloads import Scaling, mooncake
+
+    specs = mooncake("mooncake_conversation.jsonl", 12, Scaling(0.001, 600, 8, block_tokens=16), vocab_size=400)
+    assert sorted(r["output_tokens"] for r in data["requests"]["mooncake"]) == sorted(s.max_tokens for s in specs)
+    assert (tmp_path / "cdf_itl.png").exists()
+
+
+def test_modes_comparison_runs_every_mode_and_reports(tiny_model_dir, tmp_path, monkeypatch, nats_url):
+    monkeypatch.setenv("PD_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("PD_KV_CACHE_MEMORY_BYTES", str(64 << 20))
+    code = bench_modes.main(["--requests", "6", "--rate", "4", "--short", "16", "--long", "200", "--output-tokens", "6",
+                             "--lengths", "16,200", "--modes", "disaggregated,aggregated,aggregated+chunked,conditional",
+                             "--out", str(tmp_path), "--quiet"])
+    assert code == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data["summaries"]) == {"disaggregated", "aggregated", "aggregated+chunked", "conditional"}
+    assert all(s["num_ok"] == 6 for s in data["summaries"].values())
+    md = (tmp_path / "report.md").read_text()
+    assert "Crossover:" in md and "hand-off" in md

@@ -1,0 +1,85 @@
+"""The load-test toolkit: trace loaders, arrival processes, metrics and reports."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from loadtest.client import RequestResult, percentile, summarize
+from loadtest.report import table, write
+from loadtest.workloads import Scaling, azure, mooncake, synthetic
+
+
+def test_azure_trace_replay_keeps_arrivals_and_caps_lengths():
+    specs = azure("azure2023_conv.csv", 20, Scaling(time_scale=0.5, max_prompt_tokens=300, max_output_tokens=32))
+    assert len(specs) == 20 and specs[0].send_at == 0.0
+    assert all(b.send_at >= a.send_at for a, b in zip(specs, specs[1:]))
+    assert all(1 <= len(s.prompt) <= 300 and 1 <= s.max_tokens <= 32 for s in specs)
+    full = azure("azure2023_conv.csv", 20, Scaling(time_scale=1.0, max_prompt_tokens=10**6, max_output_tokens=10**6))
+    assert specs[5].send_at == pytest.approx(full[5].send_at * 0.5)
+    assert [len(s.prompt) for s in full[:3]] == [374, 396, 879]  # the trace's own first rows
+
+
+def test_mooncake_requests_sharing_hash_ids_share_prompt_prefixes():
+    specs = mooncake("mooncake_conversation.jsonl", 200, Scaling(1.0, 4096, 64, block_tokens=32))
+    rows = [json.loads(line) for line in open(__import__("loadtest.workloads", fromlist=["x"]).trace_path(
+        "mooncake_conversation.jsonl")).readlines()[:200]]
+    pairs = 0
+    for i in range(len(rows)):
+        for j in range(i + 1, min(len(rows), i + 30)):
+            a, b = rows[i]["hash_ids"], rows[j]["hash_ids"]
+            shared = 0
+            while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+                shared += 1
+            n = min(shared * 32, len(specs[i].prompt), len(specs[j].prompt))
+            if n:
+                assert specs[i].prompt[:n] == specs[j].prompt[:n]
+                pairs += 1
+            if shared < min(len(a), len(b)):
+                k = shared * 32
+                if k < min(len(specs[i].prompt), len(specs[j].prompt)):
+                    assert specs[i].prompt[k:k + 32] != specs[j].prompt[k:k + 32]
+    assert pairs > 10
+
+
+def test_poisson_and_gamma_rates():
+    for burst in (1.0, 4.0):
+        specs = synthetic(4000, 2.0, [(64, 1.0)], 8, burstiness=burst, seed=1)
+        gaps = [b.send_at - a.send_at for a, b in zip(specs, specs[1:])]
+        assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.08)
+        cv2 = statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2
+        assert cv2 == pytest.approx(burst, rel=0.25)
+
+
+def result(ttft, gaps, tokens, ok=True):
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestResult(tag="", sent_at=0, ok=ok, output_tokens=tokens, ttft_s=ttft, e2e_s=times[-1], chunk_times=times)
+
+
+def test_summary_metrics_and_goodput():
+    rs = [result(0.5, [0.1] * 9, 10), result(2.0, [0.1] * 9, 10), result(0.4, [0.5] * 9, 10),
+          RequestResult(tag="", sent_at=0, ok=False, error="HTTP 500")]
+    s = summarize(rs, wall_s=10.0, slo_ttft_s=1.0, slo_tpot_s=0.2)
+    assert (s.num_requests, s.num_ok) == (4, 3)
+    assert s.requests_per_s == pytest.approx(0.3) and s.output_tokens_per_s == pytest.approx(3.0)
+    assert s.goodput_rps == pytest.approx(0.1)  # only the first meets both SLOs
+    assert s.tpot["mean"] == pytest.approx((0.1 + 0.1 + 0.5) / 3)
+    assert s.ttft["p50"] == pytest.approx(0.5)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 90) is None
+
+
+def test_report_writes_json_markdown_and_plots(tmp_path):
+    rs = {"a": [result(0.5, [0.1] * 5, 6)], "b": [result(0.7, [0.2] * 5, 6)]}
+    sums = {k: summarize(v, 5.0, 1.0, 0.3) for k, v in rs.items()}
+    path = write(tmp_path, "t", "w", sums, rs, sweeps={"a": [(1.0, sums["a"]), (2.0, sums["a"])]})
+    text = path.read_text()
+    assert "| a |" in text and "| b |" in text and "cdf_ttft.png" in text
+    for f in ("report.json", "cdf_ttft.png", "cdf_itl.png", "load.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["requests"]["a"][0]["chunk_times"][0] == 0.5
+    assert "TTFT p50" in table(sums)
