@@ -94,6 +94,7 @@ def _filter_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         cum = torch.cumsum(sorted_probs, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop_sorted = (cum - sorted_probs) >= p.top_p
+        drop_sorted[0] = False  # a top_p that rounds to 0 in float32 still keeps the best token
         drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if p.min_p > 0.0:

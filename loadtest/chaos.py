@@ -244,6 +244,9 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
         kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
         first_token_timeout_s=60.0, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
         ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
+        # "wrong" compares texts exactly: float32, because bfloat16 (auto's choice on CPUs with
+        # AMX) rounds differently at different batch sizes and near-ties flip
+        dtype="float32",
     )
     name = served_model_name(settings)
     prompts = make_prompts(requests)

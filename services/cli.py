@@ -70,7 +70,8 @@ def cmd_up(args) -> int:
         url = launcher.detach(start, state_dir, args.ready_timeout)
         print(f"pdserve is ready at {url}  (OpenAI API: {url}/v1, model '{_model_name(settings)}')", flush=True)
         print(f"logs: {state_dir / 'logs'}", flush=True)
-        print(f"stop it with: {_me()} down", flush=True)
+        ns = f"PD_NAMESPACE={settings.namespace} " if os.environ.get("PD_NAMESPACE") else ""
+        print(f"stop it with: {ns}{_me()} down", flush=True)
         return 0
     dep = start()
     print(f"pdserve is ready at {dep.url}  (OpenAI API: {dep.url}/v1, model '{_model_name(settings)}')", flush=True)
@@ -98,15 +99,25 @@ def cmd_down(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from shared.errors import ServiceUnavailable
     from shared.observe import collect_heartbeats
 
-    seen = collect_heartbeats(_settings(args))
+    settings = _settings(args)
+    try:
+        seen = collect_heartbeats(settings)
+    except ServiceUnavailable as exc:
+        print(f"pdserve: {exc} (is it running? PD_NATS_URL={settings.nats_url})", file=sys.stderr)
+        return 1
     if not seen:
         print("no pdserve workers are sending heartbeats")
         return 1
-    print(f"{'stage':<11} {'instance':<28} {'ready':<6} {'running':>7} {'metrics port':>12}")
-    for hb in sorted(seen.values(), key=lambda h: (h.stage, h.instance_id)):
-        print(f"{hb.stage:<11} {hb.instance_id:<28} {str(hb.ready):<6} {hb.num_running:>7} {hb.metrics_port:>12}")
+    rows = sorted(seen.values(), key=lambda h: (h.stage, h.instance_id))
+    w_stage = max([5] + [len(h.stage) for h in rows]) + 1
+    w_inst = max([8] + [len(h.instance_id) for h in rows]) + 1
+    print(f"{'stage':<{w_stage}} {'instance':<{w_inst}} {'ready':<6} {'running':>7} {'metrics port':>12}")
+    for hb in rows:
+        print(f"{hb.stage:<{w_stage}} {hb.instance_id:<{w_inst}} {str(hb.ready):<6} {hb.num_running:>7} "
+              f"{hb.metrics_port:>12}")
     return 0
 
 

@@ -69,7 +69,8 @@ async def _jetstream_ok(url: str) -> str | None:
     import nats
 
     try:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+        # nats-py retries a first connection forever unless bounded from outside
+        nc = await asyncio.wait_for(nats.connect(url, connect_timeout=2, allow_reconnect=False), 4.0)
     except Exception as exc:
         return f"unreachable ({exc.__class__.__name__})"
     try:
@@ -309,10 +310,15 @@ def terminate(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
 
 
 def stop_all(dep: Deployment) -> None:
-    """Stop the services (gateway first, so it stops admitting), then NATS/Redis we started."""
-    order = {s: i for i, s in enumerate(("gateway", "tokenizer", "prefill", "decode", "postfilter"))}
-    procs = sorted(dep.procs, key=lambda p: order.get(p.name.rsplit("-", 1)[0], 0.5))
-    terminate([p.popen for p in procs])
+    """Stop the services, then NATS/Redis we started.
+
+    The gateways go first and alone: they stop admitting and drain their open streams
+    (``PD_SHUTDOWN_DRAIN_S``) while the pipeline behind them still runs; then every other
+    stage, each of which drains what it holds.
+    """
+    gateways = [p.popen for p in dep.procs if p.name.rsplit("-", 1)[0] == "gateway"]
+    terminate(gateways, timeout_s=dep.settings.shutdown_drain_s + 10)
+    terminate([p.popen for p in dep.procs if p.popen not in gateways])
     terminate([p for p in (dep.nats_proc, dep.redis_proc) if p is not None], timeout_s=5)
 
 
@@ -457,8 +463,9 @@ def detach(run_up, state_dir: Path, ready_timeout_s: float) -> str:
     message = buf.decode(errors="replace").strip()
     if message.startswith("ready "):
         return message[len("ready "):]
-    raise SystemExit(f"pdserve: the background launcher failed: {message or 'no answer'}; "
-                     f"see {state_dir / 'logs' / 'launcher.log'}")
+    reason = message.removeprefix("failed ").removeprefix("pdserve: ") or "no answer"
+    raise SystemExit(f"pdserve: could not start in the background: {reason}\n(details: "
+                     f"{state_dir / 'logs' / 'launcher.log'} and the service logs beside it)")
 
 
 def down(state_dir: Path) -> bool:

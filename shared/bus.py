@@ -37,13 +37,20 @@ DUPLICATE_WINDOW_S = 120.0
 MAX_AGE_S = 3600.0
 #: Bound on queued work items per stream; publishing beyond it fails (back-pressure).
 MAX_MSGS = 100_000
+#: How long a one-shot client waits for its first connection to NATS.
+CONNECT_DEADLINE_S = 5.0
 
 
 async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int = -1) -> NATS:
-    """Connect to ``settings.nats_url``; reconnects forever by default.
+    """Connect to ``settings.nats_url``.
+
+    With the default ``max_reconnect_attempts=-1`` (services) it waits for the server as long
+    as it takes, then reconnects forever after any disconnect. With ``>= 0`` (one-shot
+    clients: ``pdserve status``, benchmarks, tests) the first connection must succeed within
+    ``CONNECT_DEADLINE_S``.
 
     Raises:
-        ServiceUnavailable: no NATS server answered within a few seconds.
+        ServiceUnavailable: with ``max_reconnect_attempts >= 0``, no NATS server answered in time.
     """
 
     async def on_error(exc: Exception) -> None:
@@ -60,8 +67,11 @@ async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
+    fail_fast = max_reconnect_attempts >= 0
     try:
-        closing["nc"] = await nats.connect(
+        # nats-py retries the first connection forever when max_reconnect_attempts is 0 or
+        # negative, whatever allow_reconnect says: bound it here.
+        connecting = nats.connect(
             settings.nats_url,
             name=name,
             connect_timeout=3,
@@ -74,9 +84,11 @@ async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int 
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
+        closing["nc"] = await (asyncio.wait_for(connecting, CONNECT_DEADLINE_S) if fail_fast else connecting)
         return closing["nc"]
     except Exception as exc:  # nats raises several unrelated types here
-        raise ServiceUnavailable(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
+        why = "no answer" if isinstance(exc, asyncio.TimeoutError) else (str(exc) or exc.__class__.__name__)
+        raise ServiceUnavailable(f"cannot reach NATS at {settings.nats_url}: {why}") from exc
 
 
 def stream_config(queue: WorkQueue) -> js_api.StreamConfig:

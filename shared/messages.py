@@ -60,7 +60,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that dividing logits by it overflows float32:
+        below 1e-5 sampling is greedy (the threshold vLLM uses, ``_SAMPLING_EPS``)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+#: Temperatures below this sample greedily (see :attr:`SamplingParams.is_greedy`).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -178,6 +184,7 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     num_cached_tokens: int = 0
     deadline_at: float = 0.0
     headers: dict[str, str] = {}
+    stop_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, meta: RequestMeta, sampling: SamplingParams, num_prompt_tokens: int, num_cached_tokens: int) -> StreamSpec:
@@ -190,6 +197,7 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
             num_cached_tokens=num_cached_tokens,
             deadline_at=meta.deadline_at,
             headers=meta.headers,
+            stop_token_ids=sampling.stop_token_ids,
         )
 
 

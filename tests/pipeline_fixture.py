@@ -30,6 +30,9 @@ def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] |
         heartbeat_interval_s=0.5,
         heartbeat_timeout_s=3.0,
         kv_cache_memory_bytes=64 << 20,
+        # the tests compare with transformers in float32 token by token; auto would pick
+        # bfloat16 on CPUs with AMX or AVX512-BF16
+        dtype="float32",
     )
     fields.update(overrides)
     settings = Settings.from_env({}, **fields)

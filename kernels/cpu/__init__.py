@@ -35,9 +35,21 @@ SMALL_BATCH_ROWS = 16
 def load():
     """The compiled extension module.
 
+    The build lives in its own folder per (source, flags, interpreter, torch version, CPU
+    flags) under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so two
+    checkouts or virtual environments never rebuild over each other. Builders serialise on an
+    ``flock`` (released by the kernel when a builder dies), and a ``lock`` file that torch's
+    own build step left behind in a killed process is removed under it, so a killed build
+    never makes later starts wait forever.
+
     Raises:
         RuntimeError: no C++ compiler, or the build failed.
     """
+    import fcntl
+    import hashlib
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 
     source = Path(__file__).with_name("paged_attention.cpp")
@@ -45,8 +57,30 @@ def load():
     flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
     if os.environ.get("PD_KERNEL_MARCH_NATIVE", "1") == "1":
         flags.append("-march=native")
-    return build(name="pdserve_cpu_paged_attention", sources=[str(source)], extra_cflags=flags,
-                 extra_ldflags=["-fopenmp"], verbose=False)
+    key = hashlib.sha256("\0".join([source.read_text(), *flags, sys.executable, torch.__version__,
+                                     _cpu_flags()]).encode()).hexdigest()[:12]
+    name = f"pdserve_cpu_paged_attention_{key}"
+    folder = Path(_get_build_directory(name, verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "pdserve.build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        # holding the flock means no other builder is alive: any torch lock is stale
+        (folder / "lock").unlink(missing_ok=True)
+        return build(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                     build_directory=str(folder), verbose=False)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds differ between machines)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
 
 
 def paged_decode_attention(

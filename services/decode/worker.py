@@ -68,13 +68,25 @@ class ActiveRequest:
     marks: list = field(default_factory=list)  # the request's timeline, with this worker's marks
 
 
+@dataclass(slots=True, eq=False)
+class FinishedRequest:
+    """A request this worker finished, kept a while: its token stream went over core NATS, so
+    a postfilter that missed the end, or died before delivering it, can still get it."""
+
+    task: DecodeTask
+    output_token_ids: list[int]
+    finish_reason: str | None
+    postfilter: str
+    finished_at: float = field(default_factory=time.monotonic)
+
+
 class DecodeWorker(ModelWorker):
     stage = "decode"
 
     async def setup(self) -> None:
         await super().setup()
         self.active: dict[str, ActiveRequest] = {}
-        self.recently_finished: dict[str, tuple[list[int], str | None, str]] = {}
+        self.recently_finished: dict[str, FinishedRequest] = {}
 
     async def serve(self) -> None:
         await super().serve()
@@ -127,8 +139,8 @@ class DecodeWorker(ModelWorker):
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)
                 # kept a while: a postfilter that missed the last tokens can ask for them
-                self.recently_finished[out.request_id] = (list(out.seq.output_token_ids), out.finish_reason,
-                                                          req.postfilter)
+                self.recently_finished[out.request_id] = FinishedRequest(
+                    req.task, list(out.seq.output_token_ids), out.finish_reason, req.postfilter)
                 while len(self.recently_finished) > 4096:
                     self.recently_finished.pop(next(iter(self.recently_finished)))
 
@@ -154,7 +166,8 @@ class DecodeWorker(ModelWorker):
         if req is not None and req.seq is not None:
             tokens, finish, postfilter = list(req.seq.output_token_ids), None, req.postfilter
         elif rid in self.recently_finished:
-            tokens, finish, postfilter = self.recently_finished[rid]
+            done = self.recently_finished[rid]
+            tokens, finish, postfilter = done.output_token_ids, done.finish_reason, done.postfilter
         else:
             return
         if message.from_index < len(tokens) or (finish is not None and message.from_index == len(tokens)):
@@ -172,12 +185,13 @@ class DecodeWorker(ModelWorker):
             raise ServiceUnavailable("no postfilter worker is alive")
         return inbox
 
-    def _replay(self, req: ActiveRequest, rid: str, output_token_ids: list[int]) -> None:
+    def _replay(self, req: ActiveRequest | FinishedRequest, rid: str, output_token_ids: list[int],
+                finish_reason: str | None = None) -> None:
         """Send a request's whole output so far to its (new) postfilter, from index 0."""
         task = req.task
         spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
         self.post(req.postfilter, TokenChunk(request_id=rid, index=0, token_ids=list(output_token_ids), spec=spec,
-                                             worker=self.instance_id, replay=True))
+                                             finish_reason=finish_reason, worker=self.instance_id, replay=True))
 
     async def _watch_peers(self) -> None:
         """Re-route streams whose postfilter died; drop requests whose gateway died."""
@@ -200,6 +214,20 @@ class DecodeWorker(ModelWorker):
                         continue  # none alive now; the gateway's stall timeout bounds the wait
                     self.log.warning("postfilter_rerouted", request_id=rid, to=req.postfilter)
                     self._replay(req, rid, list(req.seq.output_token_ids))
+            # finished here, but the postfilter died before it could deliver the end: a death
+            # is noticed within heartbeat_timeout_s, so that is how long this matters
+            horizon = time.monotonic() - 2 * self.settings.heartbeat_timeout_s - period
+            for rid, done in list(self.recently_finished.items()):
+                if done.finished_at < horizon or self._postfilter_alive(done.postfilter):
+                    continue
+                if done.task.meta.reply_to not in gateways:
+                    continue
+                try:
+                    done.postfilter = self._new_postfilter(rid)
+                except ServiceUnavailable:
+                    continue
+                self.log.warning("postfilter_rerouted", request_id=rid, to=done.postfilter, finished=True)
+                self._replay(done, rid, done.output_token_ids, done.finish_reason)
 
     async def _resume_point(self, req: ActiveRequest, rid: str) -> tuple[list[int], bool, bool]:
         """For a redelivered task: (output tokens to continue after, whether the stream must be

@@ -36,6 +36,11 @@ class TokenBucket:
         self._refill(time.monotonic() if now is None else now)
         return 0.0 if self.level > 0 else (1.0 - self.level) / self.rate_per_s
 
+    def seconds_until(self, tokens: float, now: float | None = None) -> float:
+        """Seconds until the bucket holds ``tokens``."""
+        self._refill(time.monotonic() if now is None else now)
+        return max(0.0, (tokens - self.level) / self.rate_per_s)
+
     def spend(self, tokens: float, now: float | None = None) -> None:
         self._refill(time.monotonic() if now is None else now)
         self.level -= tokens
@@ -78,18 +83,27 @@ class Admission:
         """A per-key prefix-cache salt: tenants never share KV blocks."""
         return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
-    def admit(self, key: str, backlog: int) -> None:
-        """Raises Overloaded (429) when the gateway, the queues or the key's budget are full."""
+    def admit(self, key: str, backlog: int, reserve_tokens: int = 0) -> None:
+        """Admit a request, or raise Overloaded (429) when the gateway, the queues or the key's
+        budget are full.
+
+        ``reserve_tokens`` (the most completion tokens the request may produce, all choices) are
+        taken from the key's bucket now, so a burst of concurrent requests cannot overspend
+        the budget before any of them has finished; :meth:`charge` settles the difference.
+        A request larger than the whole bucket is admitted only when the bucket is full.
+        """
         if self.max_inflight and self.inflight >= self.max_inflight:
             raise Overloaded(f"the server is at its limit of {self.max_inflight} requests in flight; retry shortly",
                              retry_after_s=1.0)
         if self.max_queued and backlog >= self.max_queued:
             raise Overloaded(f"{backlog} requests are queued for prefill; retry shortly", retry_after_s=2.0)
         if self.rate_per_min and key is not None:
-            wait = self.bucket(key).seconds_until_positive()
+            bucket = self.bucket(key)
+            wait = max(bucket.seconds_until_positive(), bucket.seconds_until(min(reserve_tokens, bucket.capacity)))
             if wait > 0:
                 raise Overloaded(f"token rate limit of {self.rate_per_min} tokens/minute reached for this key",
                                  retry_after_s=wait, code="rate_limit_exceeded")
+            bucket.spend(reserve_tokens)
 
     def bucket(self, key: str) -> TokenBucket:
         bucket = self.buckets.get(key)
@@ -97,7 +111,8 @@ class Admission:
             bucket = self.buckets[key] = TokenBucket(self.rate_per_min / 60.0, float(self.rate_per_min))
         return bucket
 
-    def charge(self, key: str, tokens: int) -> None:
-        """Spend a finished (or failed) request's prompt and completion tokens."""
-        if self.rate_per_min and tokens > 0:
-            self.bucket(key).spend(tokens)
+    def charge(self, key: str, tokens: int, reserved: int = 0) -> None:
+        """Settle a finished (or failed) request: its prompt and completion ``tokens`` used,
+        less the ``reserved`` tokens :meth:`admit` already took (a refund when negative)."""
+        if self.rate_per_min and tokens - reserved != 0:
+            self.bucket(key).spend(tokens - reserved)

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from services.gateway.admission import Admission
 from services.gateway.openai_models import (
@@ -59,6 +60,8 @@ from shared.timeline import now_mark
 from shared.tracing import start_span
 
 log = get_logger("gateway")
+#: Tokens reserved from a key's rate-limit bucket for a choice without an explicit max_tokens.
+DEFAULT_RESERVATION = 256
 
 KEEPALIVE_S = 15.0
 #: Timelines kept for /debug/timeline.
@@ -264,8 +267,12 @@ class Gateway:
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
+        # the token budget a request takes up front: its max_tokens, or, when the client left
+        # it to the default (the rest of the context), a typical answer's worth
+        reserved = sum(min(c.task.sampling.max_tokens, DEFAULT_RESERVATION) if c.task.max_tokens_is_default
+                       else c.task.sampling.max_tokens for c in choices)
         try:
-            self.admission.admit(tenant, self.client.queued)
+            self.admission.admit(tenant, self.client.queued, reserved)
         except Overloaded as exc:
             self.metrics["rejected"].labels(exc.code or "overloaded").inc()
             raise
@@ -287,6 +294,7 @@ class Gateway:
         run = RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
                          on_tick=on_tick, first_token_timeout_s=self.settings.first_token_timeout_s)
         run.tenant = tenant  # type: ignore[attr-defined]
+        run.reserved_tokens = reserved  # type: ignore[attr-defined]
         run.timeline = Timeline(request_id, [("gateway.received", received_at), published])  # type: ignore[attr-defined]
         run.span = gateway_span  # type: ignore[attr-defined]
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
@@ -312,7 +320,7 @@ class Gateway:
         self.metrics["in_flight"].dec()
         self.metrics["output_tokens"].inc(sum(c.num_tokens for c in run.choices))
         used = sum(c.num_prompt_tokens + c.num_tokens for c in run.choices)
-        self.admission.charge(getattr(run, "tenant", ""), used)
+        self.admission.charge(getattr(run, "tenant", ""), used, getattr(run, "reserved_tokens", 0))
 
     async def _complete(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
         self._begin()
@@ -396,6 +404,24 @@ class Gateway:
             body["token_strs"] = self.prompts.tokenizer.convert_ids_to_tokens(ids)
         return body
 
+    async def offload(self, fn, *args):
+        """Run a CPU-bound helper (``/tokenize``, ``/detokenize``) in a thread, so a large one
+        never stalls the event loop that streams everyone's tokens; it counts against the
+        in-flight limit like any request.
+
+        Raises:
+            Overloaded: the in-flight limit is reached (429).
+        """
+        if self.admission.max_inflight and self.admission.inflight >= self.admission.max_inflight:
+            self.metrics["rejected"].labels("overloaded").inc()
+            raise Overloaded(f"the server is at its limit of {self.admission.max_inflight} requests in flight; "
+                             "retry shortly", retry_after_s=1.0)
+        self.admission.inflight += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self.admission.inflight -= 1
+
     def detokenize(self, req: DetokenizeRequest) -> dict:
         self._check_token_ids(req.tokens, "tokens")
         return {"prompt": self.prompts.tokenizer.decode(req.tokens)}
@@ -457,7 +483,16 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
         err.status = exc.status_code  # type: ignore[misc]
         err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"  # type: ignore[misc]
         err.code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)  # type: ignore[misc]
-        return error_response(err)
+        response = error_response(err)
+        response.headers.update(getattr(exc, "headers", None) or {})  # e.g. Allow on a 405
+        return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect):
+        # the client hung up while sending its body: nobody reads this answer, and it is not
+        # a server error (nginx logs it as 499)
+        gw.metrics["requests"].labels(endpoint_of(request), "client_disconnected").inc()
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):
@@ -476,7 +511,8 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
                                             "vocab_size": gw.vocab_size}]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
+    async def model(model_id: str, request: Request):
+        gw.authenticate(request)
         if model_id != gw.model_name:
             raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
         return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "pdserve"}
@@ -504,12 +540,12 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
     @app.post("/tokenize", openapi_extra=bodies["tokenize"])
     async def tokenize(request: Request):
         gw.authenticate(request)
-        return gw.tokenize(gw.parse(TokenizeRequest, await gw.read_json(request)))
+        return await gw.offload(gw.tokenize, gw.parse(TokenizeRequest, await gw.read_json(request)))
 
     @app.post("/detokenize", openapi_extra=bodies["detokenize"])
     async def detokenize(request: Request):
         gw.authenticate(request)
-        return gw.detokenize(gw.parse(DetokenizeRequest, await gw.read_json(request)))
+        return await gw.offload(gw.detokenize, gw.parse(DetokenizeRequest, await gw.read_json(request)))
 
     @app.get("/health")
     @app.head("/health", include_in_schema=False)

@@ -238,8 +238,13 @@ class PostfilterWorker(Worker):
         pieces = []
         consumed = 0
         stopped = False
-        for token_id in new_tokens:
+        # a stop token id ends the text without appearing in it (as vLLM does), unless asked
+        hide_last = (chunk.finish_reason == "stop" and new_tokens and not st.spec.include_stop_str_in_output
+                     and new_tokens[-1] in st.spec.stop_token_ids)
+        for i, token_id in enumerate(new_tokens):
             consumed += 1
+            if hide_last and i == len(new_tokens) - 1:
+                break
             text, stopped = st.stop.feed(st.detok.step(token_id))
             pieces.append(text)
             if stopped:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_pipeline import chat_body, error_of, read_sse, reference_text
+from tests.integration.test_pipeline import chat_body, error_of, read_sse, reference_text, stream_chat
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-llama"
@@ -161,6 +161,21 @@ def test_penalties_bias_and_max_completion_tokens_change_the_output(client):
                                                       "max_completion_tokens": 3}).json()
     assert short["usage"]["completion_tokens"] == 3 and short["choices"][0]["finish_reason"] == "length"
     assert first is not None
+
+
+def test_stop_token_ids_end_the_text_without_appearing_in_it(client):
+    token_id = client.post("/tokenize", json={"model": MODEL, "prompt": "fox", "add_special_tokens": False}).json()["tokens"][0]
+    word = client.post("/detokenize", json={"model": MODEL, "tokens": [token_id]}).json()["prompt"]
+    # a +100 bias makes the token the only output; as a stop token it ends the text at once
+    body = {**chat_body("Numbers: 0 1 2 3", max_tokens=5, ignore_eos=True), "logit_bias": {str(token_id): 100},
+            "stop_token_ids": [token_id]}
+    hidden = client.post("/v1/chat/completions", json=body).json()
+    assert hidden["choices"][0]["message"]["content"] == ""
+    assert hidden["choices"][0]["finish_reason"] == "stop" and hidden["usage"]["completion_tokens"] == 1
+    shown = client.post("/v1/chat/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert shown["choices"][0]["message"]["content"] == word
+    streamed, finish, _ = stream_chat(client, {**body, "stream": True})
+    assert (streamed, finish) == ("", "stop")
 
 
 def test_top_k_one_is_greedy_and_seed_is_batch_invariant(client, pipeline):

@@ -344,3 +344,96 @@ def test_client_disconnect_aborts_the_request(tiny_model_dir, stream):
             time.sleep(0.05)
     assert fake.aborted and fake.aborted[0][1] == "client_disconnected"
     assert not fake.routes  # nothing left registered
+
+
+def test_rate_limit_reserves_max_tokens_so_a_burst_cannot_overspend(tiny_model_dir):
+    app, fake = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["a", "b"], gap=0.3), api_keys="k1",
+                     rate_limit_tokens_per_minute=100)
+
+    async def go():
+        async with client_for(app) as c:
+            h = {"Authorization": "Bearer k1"}
+            burst = [c.post("/v1/chat/completions", json={**BODY, "max_tokens": 30}, headers=h) for _ in range(6)]
+            return await asyncio.gather(*burst)
+
+    codes = sorted(r.status_code for r in run(go()))
+    # 100 tokens hold three reservations of 30, not six
+    assert codes == [200, 200, 200, 429, 429, 429]
+    # what was not used went back: 3 × (5 prompt + 2 completion) spent of 100
+    assert app.state.gateway.admission.bucket("k1").level == pytest.approx(100 - 3 * 7, abs=3.0)  # plus a second of refill
+
+
+def test_tokenize_runs_off_the_event_loop_and_counts_as_in_flight(tiny_model_dir, monkeypatch):
+    app, _ = make(tiny_model_dir, lambda task: None, max_inflight_requests=1)
+    gw = app.state.gateway
+    real = gw.tokenize
+
+    def slow(req):
+        time.sleep(0.5)  # blocks a thread, not the loop
+        return real(req)
+
+    monkeypatch.setattr(gw, "tokenize", slow)
+
+    async def go():
+        async with client_for(app) as c:
+            tok = asyncio.create_task(c.post("/tokenize", json={"model": "tiny-llama", "prompt": "hello"}))
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            health = await c.get("/health")
+            health_s = time.monotonic() - started
+            second = await c.post("/tokenize", json={"model": "tiny-llama", "prompt": "hello"})
+            return await tok, health, health_s, second
+
+    tok, health, health_s, second = run(go())
+    assert tok.status_code == 200 and tok.json()["count"] > 0
+    assert health.status_code == 200 and health_s < 0.3
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert gw.admission.inflight == 0
+
+
+def test_method_not_allowed_says_which_are(tiny_model_dir):
+    app, _ = make(tiny_model_dir, lambda task: None)
+
+    async def go():
+        async with client_for(app) as c:
+            return await c.get("/v1/chat/completions")
+
+    resp = run(go())
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    assert resp.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_client_that_hangs_up_mid_body_is_not_a_server_error(tiny_model_dir):
+    from prometheus_client import REGISTRY
+
+    app, _ = make(tiny_model_dir, lambda task: None)
+
+    def internal_errors() -> float:
+        return REGISTRY.get_sample_value("pd_gateway_requests_total",
+                                         {"endpoint": "chat", "outcome": "internal_error"}) or 0.0
+
+    before = internal_errors()
+
+    async def go():
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": b'{"model": "tiny', "more_body": True}
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "server": ("gw", 80), "client": ("c", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}
+        await app(scope, receive, send)
+        return [m for m in sent if isinstance(m, dict)]
+
+    messages = run(go())
+    assert internal_errors() == before
+    starts = [m for m in messages if m["type"] == "http.response.start"]
+    assert not starts or starts[0]["status"] == 499

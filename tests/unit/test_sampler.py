@@ -30,6 +30,16 @@ def test_top_k_one_and_tiny_top_p_are_greedy_whatever_the_seed():
         assert sample(logits, [row(temperature=1.0, top_p=1e-6, seed=seed)])[0] == [best]
 
 
+def test_extreme_temperature_and_top_p_stay_greedy_not_garbage():
+    """A temperature that overflows the division, or a top_p that is 0 in float32, must not
+    turn every token into id 0."""
+    logits = torch.randn(2, 50) * 10
+    best = logits.argmax(dim=-1).tolist()
+    for seed in range(5):
+        assert sample(logits, [row(temperature=1e-40, seed=seed), row(temperature=5e-324, seed=seed)])[0] == best
+        assert sample(logits, [row(temperature=1.0, top_p=1e-300, seed=seed)] * 2)[0] == best
+
+
 def test_min_p_drops_unlikely_tokens():
     logits = torch.log(torch.tensor([[0.6, 0.35, 0.05]]))
     seen = {sample(logits, [row(temperature=1.0, min_p=0.2, seed=s)])[0][0] for s in range(200)}

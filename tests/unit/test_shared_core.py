@@ -64,9 +64,29 @@ def test_registry_liveness_and_rendezvous_pick():
     assert [h.instance_id for h in r.live("postfilter", now=101)] == ["p0", "p1", "p2"]
     owners = {k: r.pick("postfilter", k, now=101).instance_id for k in map(str, range(300))}
     assert set(owners.values()) == {"p0", "p1", "p2"}
-    # p1 goes silent: only its keys move
-    r.observe(hb("postfilter", "p0"), now=104)
-    r.observe(hb("postfilter", "p2"), now=104)
+    # p1 goes silent while p0 and p2 keep beating: only its keys move
+    for t in range(101, 107):
+        r.observe(hb("postfilter", "p0"), now=t)
+        r.observe(hb("postfilter", "p2"), now=t)
     moved = {k for k in owners if r.pick("postfilter", k, now=106).instance_id != owners[k]}
     assert moved == {k for k, v in owners.items() if v == "p1"}
     assert r.pick("decode", "x", now=106) is None
+
+
+def test_registry_does_not_declare_peers_gone_while_it_was_deaf():
+    """A process paused (or cut off from NATS) for longer than the timeout hears nothing from
+    anyone, itself included: that is not evidence that its peers died."""
+    r = WorkerRegistry(timeout_s=5)
+    for t in range(0, 4):
+        r.observe(hb("gateway", "g"), now=t)
+        r.observe(hb("decode", "me"), now=t)
+    # frozen from t=3 to t=15: on waking, before any queued heartbeat is read, nobody is gone
+    assert [h.instance_id for h in r.live("gateway", now=15)] == ["g"]
+    # the queued heartbeats arrive; the gateway's among them
+    r.observe(hb("decode", "me"), now=15.1)
+    r.observe(hb("gateway", "g"), now=15.2)
+    assert [h.instance_id for h in r.live("gateway", now=16)] == ["g"]
+    # a peer that really stopped is gone once the others have been heard for timeout_s
+    for t in range(16, 23):
+        r.observe(hb("decode", "me"), now=t)
+    assert r.live("gateway", now=22) == []
