@@ -20,13 +20,14 @@ import uuid
 from pathlib import Path
 
 import httpx
+from fastapi import Request  # module level: FastAPI resolves the handler's annotation here
 
 
 def hf_app(folder: Path, model_name: str, threads: int):
     """A FastAPI app serving ``/v1/chat/completions`` with transformers' ``generate``
     (greedy, streamed through ``TextIteratorStreamer``), requests served one at a time."""
     import torch
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 

@@ -149,7 +149,8 @@ def crossover(base: Settings, lengths: list[int], say) -> tuple[int, list[dict]]
             usual, longest = asyncio.run(_stall(dep.url, model, tokens(n), background))
             agg[n] = (ttft, usual, longest)
     with Deployed(base, split) as dep:
-        asyncio.run(_ttft(dep.url, model, tokens(16)))
+        for _ in range(3):  # the first hand-offs of a fresh deployment are slower (a run: 479 ms vs 43)
+            asyncio.run(_ttft(dep.url, model, tokens(lengths[0])))
         dis = {n: asyncio.run(_ttft(dep.url, model, tokens(n))) for n in lengths}
     found = None
     for n in lengths:
@@ -277,7 +278,12 @@ def run_llama(base: Settings, args, mix, rates, say):
     say("modes: llama.cpp ...")
     sweep = []
     keep = None
-    with LlamaCpp(binary, default_gguf_path(), free_port(), threads=2, parallel=16, ctx_per_slot=2048) as server:
+    try:
+        server = LlamaCpp(binary, default_gguf_path(), free_port(), threads=2, parallel=16, ctx_per_slot=2048).__enter__()
+    except RuntimeError as exc:  # e.g. a build for another CPU: SIGILL at start
+        say(f"modes: llama.cpp server did not start ({exc}); skipped")
+        return None
+    try:
         for rate in rates:
             specs = synthetic(args.requests, rate, mix, args.output_tokens, seed=3)
             res, wall = asyncio.run(run_workload(server.url, "x", specs, extra={"ignore_eos": True},
@@ -286,4 +292,6 @@ def run_llama(base: Settings, args, mix, rates, say):
             sweep.append((rate, s))
             if rate == args.rate:
                 keep = (s, res)
+    finally:
+        server.__exit__()
     return keep[0], keep[1], sweep

@@ -9,9 +9,8 @@
 //   context_lens [batch]                                      int64
 //   returns      [batch, num_heads, head_dim]                 float32
 //
-// Work is split over (sequence, kv head) pairs; each pair serves its group of
-// num_heads / num_kv_heads query heads (grouped-query attention), so every K and V row is
-// read once per group. Softmax is the usual two passes over a score buffer: scores and their
+// Work is split over sequences (or, at small batch, (sequence, kv head) pairs); every query
+// head sharing a KV head (grouped-query attention) is served from one read of its K and V rows. Softmax is the usual two passes over a score buffer: scores and their
 // max, then exp / sum / weighted V.
 
 #include <torch/extension.h>
@@ -22,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -54,16 +54,19 @@ inline float exp_approx(float x) {
 constexpr int64_t kMaxGroup = 16;   // query heads per KV head handled in one pass
 constexpr int64_t kMaxHeadDim = 256;
 
-template <typename KV>
+// DC: head_dim known at compile time (64, 128), so the per-head loops unroll fully and the
+// accumulators stay in registers; DC = 0 takes head_dim at run time.
+template <typename KV, int64_t DC>
 void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
-  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t D = DC > 0 ? DC : query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t row = num_kv_heads * head_dim;           // one token's K (or V) across kv heads
+  const int64_t row = num_kv_heads * D;                  // one token's K (or V) across kv heads
   const int64_t block_stride = block_size * row;
-  TORCH_CHECK(group <= kMaxGroup && head_dim <= kMaxHeadDim, "group or head_dim too large");
+  TORCH_CHECK(group <= kMaxGroup && D <= kMaxHeadDim, "group or head_dim too large");
 
   const float* q = query.data_ptr<float>();
   const KV* kc = k_cache.data_ptr<KV>();
@@ -73,44 +76,71 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
   float* o = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A work item is one sequence and a range of its KV heads: all of them when there are
+  // enough sequences to keep every thread busy (each token's K and V rows are then read
+  // whole and in order), one when the batch is small (so every thread has work).
+  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t width = heads_per_item * D;            // the contiguous part of a row an item reads
+  const int64_t qheads = heads_per_item * group;       // query heads an item serves
+
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    alignas(64) float qs[kMaxGroup * kMaxHeadDim];
-    alignas(64) float acc[kMaxGroup * kMaxHeadDim];
-    alignas(64) float kv_row[kMaxHeadDim];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = pair / num_kv_heads, g = pair % num_kv_heads;
+    std::vector<float> qs(static_cast<size_t>(qheads * D));
+    std::vector<float> acc(static_cast<size_t>(qheads * D));
+    // one block of K or V rows in float32, converted once and read by every query head
+    std::vector<float> blk_f(static_cast<size_t>(block_size * width));
+    std::vector<float> m(static_cast<size_t>(qheads)), inv(static_cast<size_t>(qheads));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_seq, g0 = (item % items_per_seq) * heads_per_item;
       const int64_t len = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      scores.resize(static_cast<size_t>(group * len));
-      // the group's queries, pre-scaled
-      for (int64_t h = 0; h < group; ++h) {
-        const float* qh = q + (b * num_heads + g * group + h) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) qs[h * head_dim + i] = qh[i] * s;
+      scores.resize(static_cast<size_t>(qheads * len));
+      for (int64_t h = 0; h < qheads; ++h) {
+        const float* qh = q + (b * num_heads + g0 * group + h) * D;
+        for (int64_t i = 0; i < D; ++i) qs[h * D + i] = qh[i] * s;
       }
-      // pass 1: scores, each K row read once for the whole group
-      float m[kMaxGroup];
-      for (int64_t h = 0; h < group; ++h) m[h] = -std::numeric_limits<float>::infinity();
-      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const KV* kb = kc + table[blk] * block_stride + g * head_dim;
-        const int64_t n = std::min(block_size, len - t0);
+      auto load_block = [&](const KV* base, int64_t n) {
+        float* dst = blk_f.data();
         for (int64_t j = 0; j < n; ++j) {
-          const KV* k = kb + j * row;
+          if constexpr (std::is_same_v<KV, at::BFloat16>) {
+            // bf16 is the top half of a float32: widen and shift (vectorizes, unlike the
+            // element-wise conversion operator)
+            const uint16_t* src = reinterpret_cast<const uint16_t*>(base + j * row);
+            uint32_t* d = reinterpret_cast<uint32_t*>(dst + j * width);
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) kv_row[i] = to_float(k[i]);
-          for (int64_t h = 0; h < group; ++h) {
-            const float* qh = qs + h * head_dim;
+            for (int64_t i = 0; i < width; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+          } else {
+            const KV* src = base + j * row;
+#pragma omp simd
+            for (int64_t i = 0; i < width; ++i) dst[j * width + i] = to_float(src[i]);
+          }
+        }
+      };
+      // pass 1: scores
+      for (int64_t h = 0; h < qheads; ++h) m[h] = -std::numeric_limits<float>::infinity();
+      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
+        const int64_t n = std::min(block_size, len - t0);
+        if (t0 + block_size < len) __builtin_prefetch(kc + table[blk + 1] * block_stride + g0 * D);
+        load_block(kc + table[blk] * block_stride + g0 * D, n);
+        for (int64_t h = 0; h < qheads; ++h) {
+          const float* qh = qs.data() + h * D;
+          const float* kb = blk_f.data() + (h / group) * D;
+          float* sc = scores.data() + h * len + t0;
+          float mh = m[h];
+          for (int64_t j = 0; j < n; ++j) {
+            const float* k = kb + j * width;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * kv_row[i];
-            scores[h * len + t0 + j] = dot;
-            m[h] = std::max(m[h], dot);
+            for (int64_t i = 0; i < D; ++i) dot += qh[i] * k[i];
+            sc[j] = dot;
+            mh = std::max(mh, dot);
           }
+          m[h] = mh;
         }
       }
       // softmax weights
-      float inv[kMaxGroup];
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < qheads; ++h) {
         float* sc = scores.data() + h * len;
         const float mh = m[h];
         float sum = 0.f;
@@ -121,30 +151,44 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
         }
         inv[h] = 1.f / sum;
       }
-      // pass 2: weighted V, each V row read once for the whole group
-      std::memset(acc, 0, sizeof(float) * group * head_dim);
+      // pass 2: weighted V
+      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const KV* vb = vc + table[blk] * block_stride + g * head_dim;
         const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const KV* v = vb + j * row;
+        if (t0 + block_size < len) __builtin_prefetch(vc + table[blk + 1] * block_stride + g0 * D);
+        load_block(vc + table[blk] * block_stride + g0 * D, n);
+        for (int64_t h = 0; h < qheads; ++h) {
+          const float* vb = blk_f.data() + (h / group) * D;
+          const float* p = scores.data() + h * len + t0;
+          float a[kMaxHeadDim];
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) kv_row[i] = to_float(v[i]);
-          for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * len + t0 + j];
-            float* ah = acc + h * head_dim;
+          for (int64_t i = 0; i < D; ++i) a[i] = acc[h * D + i];
+          for (int64_t j = 0; j < n; ++j) {
+            const float pj = p[j];
+            const float* v = vb + j * width;
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ah[i] += p * kv_row[i];
+            for (int64_t i = 0; i < D; ++i) a[i] += pj * v[i];
           }
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) acc[h * D + i] = a[i];
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* oh = o + (b * num_heads + g * group + h) * head_dim;
-        const float* ah = acc + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) oh[i] = ah[i] * inv[h];
+      for (int64_t h = 0; h < qheads; ++h) {
+        float* oh = o + (b * num_heads + g0 * group + h) * D;
+        for (int64_t i = 0; i < D; ++i) oh[i] = acc[h * D + i] * inv[h];
       }
     }
   });
+}
+
+template <typename KV>
+void dispatch(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+  switch (query.size(2)) {
+    case 64: return run<KV, 64>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
+    case 128: return run<KV, 128>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
+    default: return run<KV, 0>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
+  }
 }
 
 }  // namespace
@@ -159,9 +203,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   auto lens = context_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
   if (k_cache.scalar_type() == torch::kFloat32) {
-    run<float>(q, k_cache, v_cache, tables, lens, scale, out);
+    dispatch<float>(q, k_cache, v_cache, tables, lens, scale, out);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
+    dispatch<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
   } else {
     TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
   }

@@ -16,7 +16,10 @@ stalls the decode batch only briefly (DistServe, Zhong et al., 2024; Splitwise, 
 
 Local wins when its cost is lower *and* ``n_new`` is at most ``PD_ROUTER_LOCAL_MAX_TOKENS``
 (the crossover prompt length measured on this machine, which bounds how long any local prefill
-can stall a decode batch). Rates come from the workers' heartbeats (measured), with defaults
+normally stalls a decode batch). A longer prompt goes local only when the prefill workers are
+so backed up that remote costs more than ``OVERFLOW_MARGIN`` times local: then the stall is
+the lesser harm (it keeps TTFT, and so goodput, from collapsing when prefill is the
+bottleneck). Rates come from the workers' heartbeats (measured), with defaults
 until the first measurements arrive. Every decision carries its reason.
 """
 
@@ -31,6 +34,8 @@ DEFAULT_PREFILL_TOKENS_PER_S = 400.0
 DEFAULT_KV_BANDWIDTH_BYTES_PER_S = 1.0e9
 #: Two JetStream hops, a store round trip and decode's admission (measured: pdserve bench pipeline).
 HOP_OVERHEAD_S = 0.02
+#: A prompt over the local limit is prefilled locally only when remote costs this many times more.
+OVERFLOW_MARGIN = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,8 @@ class Router:
                  f"{local_s * 1e3:.0f} ms vs remote {remote_s * 1e3:.0f} ms (queue {queue_s * 1e3:.0f} ms, "
                  f"transfer {transfer_s * 1e3:.0f} ms)")
         if n_new > self.local_max_tokens:
+            if local_s * OVERFLOW_MARGIN < remote_s:
+                return RouteDecision("local", f"prefill workers backed up: {facts}", local_s, remote_s)
             return RouteDecision("remote", f"longer than the local limit of {self.local_max_tokens}: {facts}",
                                  local_s, remote_s)
         if local_s <= remote_s:

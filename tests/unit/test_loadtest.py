@@ -83,3 +83,23 @@ def test_report_writes_json_markdown_and_plots(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["requests"]["a"][0]["chunk_times"][0] == 0.5
     assert "TTFT p50" in table(sums)
+
+
+def test_transformers_baseline_server_streams_through_the_client(tiny_model_dir):
+    """The plain-transformers baseline the benchmarks compare against answers the same client."""
+    import asyncio
+
+    import httpx
+
+    from loadtest.baselines import ServerThread, hf_app
+    from loadtest.client import RequestSpec, send_one
+    from loadtest.infra import free_port
+
+    with ServerThread(hf_app(tiny_model_dir, "tiny-llama", 1), free_port()) as server:
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                return await send_one(c, "tiny-llama", RequestSpec(0.0, "Hello there", 6), extra={"ignore_eos": True})
+
+        result = asyncio.run(go())
+    assert result.ok, result.error
+    assert result.output_tokens == 6 and result.ttft_s is not None and result.ttft_s > 0

@@ -1,0 +1,46 @@
+"""The conditional router's cost model: short prompts local when it is cheaper, long ones
+remote, and long ones local only when the prefill workers are backed up."""
+
+from __future__ import annotations
+
+from services.tokenizer.router import Router
+from shared.messages import Heartbeat
+
+
+def hb(stage: str, iid: str, rate: float, queued: int = 0, running: int = 0) -> Heartbeat:
+    return Heartbeat(stage=stage, instance_id=iid, model="m", sent_at=0.0, ready=True, prefill_tokens_per_s=rate,
+                     queued_prefill_tokens=queued, num_running=running)
+
+
+def test_short_prompt_is_local_and_long_prompt_remote_when_idle():
+    r = Router(local_max_tokens=64, kv_bytes_per_token=46_080)
+    prefill, decode = [hb("prefill", "p", 1000.0)], [hb("decode", "d", 1000.0)]
+    short = r.decide(40, 0, prefill, decode)
+    assert short.target == "local" and short.local_s < short.remote_s
+    long = r.decide(1536, 0, prefill, decode)
+    assert long.target == "remote" and "local limit of 64" in long.reason
+
+
+def test_cached_tokens_count_only_what_is_left_to_compute():
+    r = Router(local_max_tokens=64, kv_bytes_per_token=0)
+    d = r.decide(1000, 960, [hb("prefill", "p", 1000.0)], [hb("decode", "d", 1000.0)])
+    assert d.target == "local" and d.reason.startswith("cheaper locally: 40 tokens")
+
+
+def test_backed_up_prefill_sends_a_medium_prompt_local():
+    r = Router(local_max_tokens=64, kv_bytes_per_token=0)
+    decode = [hb("decode", "d", 1000.0, running=3)]
+    idle = r.decide(96, 0, [hb("prefill", "p", 1000.0)], decode)
+    assert idle.target == "remote"
+    # 6 s of prompts queued at the prefill worker: a 96-token prefill stalling 3 streams is the lesser harm
+    busy = r.decide(96, 0, [hb("prefill", "p", 1000.0, queued=6000)], decode)
+    assert busy.target == "local" and "backed up" in busy.reason
+    # but never a prompt whose local stall costs more than half of waiting
+    huge = r.decide(4000, 0, [hb("prefill", "p", 1000.0, queued=6000)], decode)
+    assert huge.target == "remote"
+
+
+def test_no_worker_of_a_kind_decides_by_itself():
+    r = Router(local_max_tokens=64, kv_bytes_per_token=0)
+    assert r.decide(5000, 0, [], [hb("decode", "d", 1.0)]).target == "local"
+    assert r.decide(5, 0, [hb("prefill", "p", 1.0)], []).target == "remote"
