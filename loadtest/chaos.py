@@ -149,10 +149,12 @@ class Faults(threading.Thread):
         while not self.stop_event.wait(self.interval_s):
             if self.kind in ("decode", "prefill"):
                 procs = [p for p in self.dep.procs if p.name.startswith(self.kind) and p.popen.poll() is None]
-                # kill one only while another replica has been up for a while: failover, not outage
+                # kill one only while another replica that has been up a while survives it:
+                # failover, not outage (a replica still loading its model is not a survivor)
                 settled = [p for p in procs if time.monotonic() - p.started_at > 8]
-                if len(procs) >= 2 and settled:
-                    victim = self.rng.choice(procs)
+                victims = [p for p in procs if any(q is not p for q in settled)]
+                if victims:
+                    victim = self.rng.choice(victims)
                     os.kill(victim.popen.pid, signal.SIGKILL)
                     self.count += 1
             elif self.kind == "nats":

@@ -110,7 +110,8 @@ class TokenizerWorker(Worker):
         cached = await self._staged_prefix_tokens(hashes, len(ids), prefill + decode)
         self.router.kv_bytes_per_token = next((h.kv_bytes_per_token for h in prefill + decode if h.kv_bytes_per_token), 0)
         decision = self.router.decide(len(ids), cached, prefill, decode)
-        basis = "limit" if "local limit" in decision.reason else "cost" if "cheaper" in decision.reason else "liveness"
+        basis = ("limit" if "local limit" in decision.reason else "cost" if "cheaper" in decision.reason
+                 else "backlog" if "backed up" in decision.reason else "liveness")
         self.route_metrics.labels(decision.target, basis).inc()
         self.log.info("route", request_id=request_id, target=decision.target, reason=decision.reason)
         return decision.target, f"{decision.target}: {decision.reason}"
