@@ -221,21 +221,20 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 //   weight [N, K] float32
 //   bias   [N] float32 or empty
 //   returns [M, N] float32
-torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bad shapes");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.size(0) <= 64, "at most 64 rows");
-  auto xc = x.contiguous();
-  auto wc = weight.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto out = torch::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  const float* bp = bias.defined() && bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+// One weight element as float32: bf16 (stored as its 16 bits) is the top half of a float32.
+inline float weight_at(const float* w, int64_t k) { return w[k]; }
+inline float weight_at(const uint16_t* w, int64_t k) {
+  const uint32_t bits = static_cast<uint32_t>(w[k]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename W>
+void linear_rows(const float* xp, const W* wp, const float* bp, float* op, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const float* w = wp + n * K;
+      const W* w = wp + n * K;
       const float b = bp ? bp[n] : 0.f;
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {  // four rows of x per pass over the weight row
@@ -246,7 +245,7 @@ torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::T
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
         for (int64_t k = 0; k < K; ++k) {
-          const float wk = w[k];
+          const float wk = weight_at(w, k);
           a0 += wk * x0[k];
           a1 += wk * x1[k];
           a2 += wk * x2[k];
@@ -261,11 +260,39 @@ torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::T
         const float* xr = xp + m * K;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < K; ++k) acc += w[k] * xr[k];
+        for (int64_t k = 0; k < K; ++k) acc += weight_at(w, k) * xr[k];
         op[m * N + n] = acc + b;
       }
     }
   });
+}
+
+// x W^T + b for a few rows of x, streaming each weight row once for all of them (decode at
+// small batch is a matrix-vector product: weight bandwidth is the whole cost).
+//   x [M, K] float32 (M <= 64), weight [N, K] float32 or bfloat16, bias [N] float32 or empty
+//   returns [M, N] float32
+torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bad shapes");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16,
+              "weight must be float32 or bfloat16");
+  TORCH_CHECK(x.size(0) <= 64, "at most 64 rows");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto out = torch::empty({M, N}, xc.options());
+  torch::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.defined() && bias.numel()) {
+    bc = bias.to(torch::kFloat32).contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  if (wc.scalar_type() == torch::kFloat32) {
+    linear_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), bp, out.data_ptr<float>(), M, K, N);
+  } else {
+    linear_rows(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp,
+                out.data_ptr<float>(), M, K, N);
+  }
   return out;
 }
 

@@ -111,3 +111,33 @@ def test_accelerated_linears_route_small_batches_only():
     assert cpu.accelerate_linears(torch.nn.Sequential(lin)) == 1
     torch.testing.assert_close(lin(torch.ones(2, 5, 32)), torch.nn.functional.linear(torch.ones(2, 5, 32), lin.weight, lin.bias))
     torch.testing.assert_close(lin(torch.ones(40, 32)), ref_out)  # 40 rows: torch's own matmul
+
+
+def test_bf16_weights_stream_at_one_row_and_match_torch():
+    cpu = _cpu_kernel()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 24).to(torch.bfloat16)
+    x1 = torch.randn(1, 64, dtype=torch.bfloat16)
+    x3 = torch.randn(3, 64, dtype=torch.bfloat16)
+    want1 = (x1.float() @ lin.weight.float().t() + lin.bias.float()).to(torch.bfloat16)
+    want3 = torch.nn.functional.linear(x3, lin.weight, lin.bias)
+    calls = []
+    ext = cpu.load()
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ext, name)
+            return lambda *a: calls.append(name) or fn(*a)
+
+    import kernels.cpu as module
+
+    real = module.load
+    module.load = lambda: Spy()
+    try:
+        assert cpu.accelerate_linears(torch.nn.Sequential(lin)) == 1
+    finally:
+        module.load = real
+    got1, got3 = lin(x1), lin(x3)
+    assert got1.dtype == torch.bfloat16 and calls == ["linear_small_batch"]  # one row: the kernel
+    torch.testing.assert_close(got1, want1, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got3, want3)  # three rows: torch's bf16 matmul, untouched
