@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 from fastapi import Request  # module level: FastAPI resolves the handler's annotation here
 
+from services.launcher import terminate
+
 
 def hf_app(folder: Path, model_name: str, threads: int):
     """A FastAPI app serving ``/v1/chat/completions`` with transformers' ``generate``
@@ -166,9 +168,5 @@ class LlamaCpp:
         raise RuntimeError(f"llama-server did not start; see {self.log}")
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc is not None:
+            terminate([self.proc], timeout_s=10)

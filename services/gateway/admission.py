@@ -92,9 +92,7 @@ class Admission:
         the budget before any of them has finished; :meth:`charge` settles the difference.
         A request larger than the whole bucket is admitted only when the bucket is full.
         """
-        if self.max_inflight and self.inflight >= self.max_inflight:
-            raise Overloaded(f"the server is at its limit of {self.max_inflight} requests in flight; retry shortly",
-                             retry_after_s=1.0)
+        self.check_inflight()
         if self.max_queued and backlog >= self.max_queued:
             raise Overloaded(f"{backlog} requests are queued for prefill; retry shortly", retry_after_s=2.0)
         if self.rate_per_min and key is not None:
@@ -104,6 +102,12 @@ class Admission:
                 raise Overloaded(f"token rate limit of {self.rate_per_min} tokens/minute reached for this key",
                                  retry_after_s=wait, code="rate_limit_exceeded")
             bucket.spend(reserve_tokens)
+
+    def check_inflight(self) -> None:
+        """Raises Overloaded (429) when the gateway already serves its limit of requests."""
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise Overloaded(f"the server is at its limit of {self.max_inflight} requests in flight; retry shortly",
+                             retry_after_s=1.0)
 
     def bucket(self, key: str) -> TokenBucket:
         bucket = self.buckets.get(key)

@@ -412,10 +412,11 @@ class Gateway:
         Raises:
             Overloaded: the in-flight limit is reached (429).
         """
-        if self.admission.max_inflight and self.admission.inflight >= self.admission.max_inflight:
-            self.metrics["rejected"].labels("overloaded").inc()
-            raise Overloaded(f"the server is at its limit of {self.admission.max_inflight} requests in flight; "
-                             "retry shortly", retry_after_s=1.0)
+        try:
+            self.admission.check_inflight()
+        except Overloaded as exc:
+            self.metrics["rejected"].labels(exc.code or "overloaded").inc()
+            raise
         self.admission.inflight += 1
         try:
             return await asyncio.to_thread(fn, *args)

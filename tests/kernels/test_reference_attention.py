@@ -113,7 +113,7 @@ def test_accelerated_linears_route_small_batches_only():
     torch.testing.assert_close(lin(torch.ones(40, 32)), ref_out)  # 40 rows: torch's own matmul
 
 
-def test_bf16_weights_stream_at_one_row_and_match_torch():
+def test_bf16_weights_stream_at_one_row_and_match_torch(monkeypatch):
     cpu = _cpu_kernel()
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 24).to(torch.bfloat16)
@@ -129,14 +129,8 @@ def test_bf16_weights_stream_at_one_row_and_match_torch():
             fn = getattr(ext, name)
             return lambda *a: calls.append(name) or fn(*a)
 
-    import kernels.cpu as module
-
-    real = module.load
-    module.load = lambda: Spy()
-    try:
-        assert cpu.accelerate_linears(torch.nn.Sequential(lin)) == 1
-    finally:
-        module.load = real
+    monkeypatch.setattr(cpu, "load", lambda: Spy())
+    assert cpu.accelerate_linears(torch.nn.Sequential(lin)) == 1
     got1, got3 = lin(x1), lin(x3)
     assert got1.dtype == torch.bfloat16 and calls == ["linear_small_batch"]  # one row: the kernel
     torch.testing.assert_close(got1, want1, rtol=1e-2, atol=1e-2)
