@@ -145,8 +145,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         self.attention = kernels.select(self.device.type, attention_backend)
-        if getattr(self.attention, "accelerate_linears", None) is not None:
-            self.attention.accelerate_linears(model)
+        if getattr(self.attention, "accelerate_model", None) is not None:
+            self.attention.accelerate_model(model)
 
     def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size

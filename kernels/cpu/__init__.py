@@ -4,13 +4,14 @@ on first use with the machine's compiler (``torch.utils.cpp_extension``, cached 
 
 It reads K and V in place from the paged cache instead of gathering a contiguous copy per
 sequence, which at batch 64 and 512 tokens of context cuts the memory traffic of attention
-about threefold, and it reads bfloat16 caches directly. Prefill keeps the reference code
-(its matrices are large enough for SDPA).
+about threefold, and it reads bfloat16 caches directly. Prefill over a cached prefix splits
+the keys into the prefix (no mask) and the new chunk (causal) and merges the two partial
+results by their log-sum-exp, instead of one masked product over the whole context.
 
-:func:`accelerate_linears` also routes the model's linear layers, when a step has at most
+:func:`accelerate_model` also routes the model's linear layers, when a step has at most
 ``SMALL_BATCH_ROWS`` token rows (decode at small batch), to a weight-streaming kernel that
 reads the weights at close to the machine's bandwidth (measured here: 20 GB/s against
-11 GB/s for torch's matmul at one row).
+11 GB/s for torch's matmul at one row), and its RMSNorm modules to a one-pass kernel.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from kernels.attention import dense_causal_attention, gather_kv, paged_prefill_attention, write_kv
+from kernels import attention as reference
+from kernels.attention import dense_causal_attention, gather_kv, write_kv
 
 __all__ = ["load", "paged_decode_attention", "paged_prefill_attention", "write_kv", "gather_kv",
-           "dense_causal_attention", "accelerate_linears"]
+           "dense_causal_attention", "accelerate_linears", "accelerate_norms", "accelerate_model"]
 
 #: Token rows up to which linear layers use the weight-streaming kernel (above it, torch's
 #: matmul catches up: measured here 2.3× faster at 1 row, 4× at 4, 2.7× at 8, 2.1× at 16).
@@ -99,12 +101,65 @@ def paged_decode_attention(
     return load().paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale))
 
 
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """See :func:`kernels.attention.paged_prefill_attention` (same shapes and meaning).
+
+    The ``n`` queries sit after a cached prefix of ``P = context_len - n`` tokens. Every query
+    sees the whole prefix, so that part needs no mask, and grouped-query heads fold into the
+    query rows (``[num_kv_heads, group * n, head_dim]`` against ``[num_kv_heads, P,
+    head_dim]``, no copy of K or V per query head); the chunk's own keys are plain causal
+    attention. The two partial results are merged by their log-sum-exp, the split-KV
+    combination of FlashAttention / Flash-Decoding (Dao et al., 2022–2023). torch's CPU flash
+    kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``) returns the log-sum-exp
+    with the output; a torch build without it falls back to the reference.
+
+    Measured here (2048-token context, 1792 cached, 9 heads over 3 KV heads, fp32): about
+    twice as fast as the reference's masked product (``pdserve bench engine`` shows the
+    effect on TTFT).
+    """
+    n = query.shape[0]
+    prefix = context_len - n
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if prefix <= 0 or flash is None or query.device.type != "cpu":
+        return reference.paged_prefill_attention(query, k_cache, v_cache, block_table, context_len, scale)
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k, v = gather_kv(k_cache, v_cache, block_table, context_len)  # [L, KVH, D]
+    k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+    v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    q = query.transpose(0, 1)  # [H, n, D]
+    # prefix: each KV head serves its `group` query heads as group * n rows
+    q_fold = q.reshape(1, num_kv_heads, group * n, head_dim)
+    out_p, lse_p = flash(q_fold, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)[:2]
+    # the chunk's own keys, causal (square, so top-left and bottom-right alignment agree)
+    k_new = k[:, :, prefix:].repeat_interleave(group, dim=1)
+    v_new = v[:, :, prefix:].repeat_interleave(group, dim=1)
+    out_n, lse_n = flash(q.unsqueeze(0), k_new, v_new, 0.0, True, scale=scale)[:2]
+    lse_p = lse_p.reshape(num_heads, n, 1)
+    lse_n = lse_n.reshape(num_heads, n, 1)
+    lse = torch.logaddexp(lse_p, lse_n)
+    out = out_p.reshape(num_heads, n, head_dim).float() * torch.exp(lse_p - lse)
+    out += out_n.reshape(num_heads, n, head_dim).float() * torch.exp(lse_n - lse)
+    return out.to(query.dtype).transpose(0, 1)
+
+
 def accelerate_linears(model: torch.nn.Module, max_rows: int = SMALL_BATCH_ROWS) -> int:
     """Route every float32 or bfloat16 ``nn.Linear`` of ``model`` to the small-batch kernel
     when its input has at most ``max_rows`` rows; larger inputs keep
     ``torch.nn.functional.linear``. bf16 weights are widened to float32 in registers as they
     stream (the activations are converted to float32 and the result back to their dtype).
     Returns the number of layers routed.
+
+    The routed forward holds the layer's weight and bias, so it assumes they are not
+    replaced afterwards (in-place updates are seen).
 
     Raises:
         RuntimeError: the extension cannot be built.
@@ -115,17 +170,62 @@ def accelerate_linears(model: torch.nn.Module, max_rows: int = SMALL_BATCH_ROWS)
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or module.weight.dtype not in (torch.float32, torch.bfloat16):
             continue
+        weight = module.weight
+        limit = max_rows if weight.dtype == torch.float32 else min(max_rows, SMALL_BATCH_ROWS_BF16)
+        bias = module.bias
+        kernel_bias = bias.detach().float() if bias is not None else empty
 
-        limit = max_rows if module.weight.dtype == torch.float32 else min(max_rows, SMALL_BATCH_ROWS_BF16)
-
-        def forward(x: torch.Tensor, layer=module, limit=limit) -> torch.Tensor:
-            rows = x.numel() // x.shape[-1]
-            if rows > limit or x.dtype != layer.weight.dtype or x.device.type != "cpu":
-                return torch.nn.functional.linear(x, layer.weight, layer.bias)
-            bias = layer.bias if layer.bias is not None else empty
-            out = ext.linear_small_batch(x.reshape(rows, x.shape[-1]).float(), layer.weight, bias)
-            return out.to(x.dtype).view(*x.shape[:-1], -1)
+        # kept lean: at batch 1 this runs ~200 times a step, and every tensor op here costs
+        # microseconds against ~100 µs of kernel
+        def forward(x: torch.Tensor, weight=weight, bias=bias, kernel_bias=kernel_bias, limit=limit,
+                    in_features=module.in_features, dtype=weight.dtype) -> torch.Tensor:
+            rows = x.numel() // in_features
+            if rows > limit or x.dtype != dtype or x.device.type != "cpu":
+                return torch.nn.functional.linear(x, weight, bias)
+            out = ext.linear_small_batch(x.reshape(rows, in_features).float(), weight, kernel_bias)
+            if dtype != torch.float32:
+                out = out.to(dtype)
+            return out.view(*x.shape[:-1], out.shape[-1])
 
         module.forward = forward
         count += 1
     return count
+
+
+def accelerate_norms(model: torch.nn.Module) -> int:
+    """Replace the forward of each float32 RMSNorm module of ``model`` that computes
+    ``weight * x / sqrt(mean(x²) + eps)`` (Llama's definition, shared by Mistral, Qwen2/3,
+    Phi-3 and others) with the one-pass kernel. A module is routed only after its own forward
+    and the kernel agree on a random input, so variants with another formula (Gemma's
+    ``1 + weight``, say) keep theirs. Returns the number of modules routed.
+
+    Raises:
+        RuntimeError: the extension cannot be built.
+    """
+    ext = load()
+    count = 0
+    for module in model.modules():
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        weight = getattr(module, "weight", None)
+        if (not type(module).__name__.endswith("RMSNorm") or not isinstance(eps, float)
+                or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 1):
+            continue
+        probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            if not torch.allclose(module(probe), ext.rms_norm(probe, weight, eps), rtol=1e-5, atol=1e-5):
+                continue
+
+        def forward(x: torch.Tensor, weight=weight, eps=eps, size=weight.shape[0],
+                    original=module.forward) -> torch.Tensor:
+            if x.dtype != torch.float32 or x.device.type != "cpu":
+                return original(x)
+            return ext.rms_norm(x.reshape(-1, size), weight, eps).view(x.shape)
+
+        module.forward = forward
+        count += 1
+    return count
+
+
+def accelerate_model(model: torch.nn.Module) -> dict[str, int]:
+    """Apply :func:`accelerate_linears` and :func:`accelerate_norms`; returns their counts."""
+    return {"linears": accelerate_linears(model), "norms": accelerate_norms(model)}

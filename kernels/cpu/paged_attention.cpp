@@ -26,8 +26,6 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 
 // exp(x) for the softmax, written so the compiler vectorizes it (std::exp does not):
 // 2^(x log2 e) = 2^n * 2^f with f in [-1/2, 1/2]; 2^f by a degree-6 polynomial (the Cephes
@@ -49,6 +47,140 @@ inline float exp_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// 8 float32 lanes (GCC/Clang vector extension: AVX/AVX2 registers on x86, two NEON registers
+// on Arm), for the loops the auto-vectorizer handles poorly: a dot product's single
+// accumulator is a chain of dependent FMAs, so several keys are dotted at once instead.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// out[j] = q . k_j for the n rows k_j = k + j * stride (each `D` floats).
+template <int64_t DC>
+inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float* out) {
+  if constexpr (DC > 0 && DC % 8 == 0) {
+    constexpr int64_t V = DC / 8;
+    v8f qv[V];
+    for (int64_t v = 0; v < V; ++v) qv[v] = load8(q + 8 * v);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {  // four keys: four independent FMA chains
+      const float* k0 = k + j * stride;
+      const float* k1 = k0 + stride;
+      const float* k2 = k1 + stride;
+      const float* k3 = k2 + stride;
+      v8f a0 = qv[0] * load8(k0), a1 = qv[0] * load8(k1), a2 = qv[0] * load8(k2), a3 = qv[0] * load8(k3);
+      for (int64_t v = 1; v < V; ++v) {
+        a0 += qv[v] * load8(k0 + 8 * v);
+        a1 += qv[v] * load8(k1 + 8 * v);
+        a2 += qv[v] * load8(k2 + 8 * v);
+        a3 += qv[v] * load8(k3 + 8 * v);
+      }
+      out[j] = hsum(a0);
+      out[j + 1] = hsum(a1);
+      out[j + 2] = hsum(a2);
+      out[j + 3] = hsum(a3);
+    }
+    for (; j < n; ++j) {
+      const float* kj = k + j * stride;
+      v8f a = qv[0] * load8(kj);
+      for (int64_t v = 1; v < V; ++v) a += qv[v] * load8(kj + 8 * v);
+      out[j] = hsum(a);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * stride;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < D; ++i) dot += q[i] * kj[i];
+      out[j] = dot;
+    }
+  }
+}
+
+// acc += sum_j p[j] * v_j for the n rows v_j = v + j * stride (each `D` floats).
+template <int64_t DC>
+inline void axpy_rows(const float* p, const float* v, int64_t stride, int64_t n, int64_t D, float* acc) {
+  if constexpr (DC > 0 && DC % 8 == 0) {
+    constexpr int64_t V = DC / 8;
+    v8f a[V];
+    for (int64_t u = 0; u < V; ++u) a[u] = load8(acc + 8 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * stride;
+      const float pj = p[j];
+      for (int64_t u = 0; u < V; ++u) a[u] += pj * load8(vj + 8 * u);
+    }
+    for (int64_t u = 0; u < V; ++u) store8(acc + 8 * u, a[u]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * stride;
+      const float pj = p[j];
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) acc[i] += pj * vj[i];
+    }
+  }
+}
+
+// exp(x) on 8 lanes, the same method as exp_approx; 2^n is built in the exponent bits, and
+// n = round(x log2 e) comes from the float "magic number" rounding trick (adding 1.5 * 2^23
+// leaves the rounded integer in the low mantissa bits).
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f exp8(v8f x) {
+  const v8f lo = v8f{} - 87.0f;
+  x = x < lo ? lo : x;
+  const v8f t = x * 1.44269504088896341f;
+  const v8f magic = v8f{} + 12582912.0f;  // 1.5 * 2^23
+  const v8f r = t + magic;
+  const v8f n = r - magic;
+  const v8f f = t - n;
+  v8f p = v8f{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const v8i ni = reinterpret_cast<const v8i&>(r) - reinterpret_cast<const v8i&>(magic);
+  const v8i bits = (ni + 127) << 23;
+  return p * reinterpret_cast<const v8f&>(bits);
+}
+
+// x[t] = exp(x[t] - m) for t < n, in place; returns their sum.
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  v8f acc{};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const v8f e = exp8(load8(x + t) - m);
+    store8(x + t, e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) {
+    x[t] = exp_approx(x[t] - m);
+    sum += x[t];
+  }
+  return sum;
+}
+
+// Ask for the next block's rows (n rows of `width` elements, `stride` apart) ahead of use:
+// a block's rows are contiguous only per token, and blocks are scattered, so the hardware
+// prefetcher alone leaves each thread waiting on memory at every block.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t width) {
+  const char* p = reinterpret_cast<const char*>(base);
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j, p += stride * static_cast<int64_t>(sizeof(T))) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  }
 }
 
 constexpr int64_t kMaxGroup = 16;   // query heads per KV head handled in one pass
@@ -88,7 +220,7 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
     std::vector<float> scores;
     std::vector<float> qs(static_cast<size_t>(qheads * D));
     std::vector<float> acc(static_cast<size_t>(qheads * D));
-    // one block of K or V rows in float32, converted once and read by every query head
+    // bf16 caches: one block of K or V rows widened to float32 once, read by every query head
     std::vector<float> blk_f(static_cast<size_t>(block_size * width));
     std::vector<float> m(static_cast<size_t>(qheads)), inv(static_cast<size_t>(qheads));
     for (int64_t item = begin; item < end; ++item) {
@@ -100,42 +232,41 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
         const float* qh = q + (b * num_heads + g0 * group + h) * D;
         for (int64_t i = 0; i < D; ++i) qs[h * D + i] = qh[i] * s;
       }
-      auto load_block = [&](const KV* base, int64_t n) {
-        float* dst = blk_f.data();
-        for (int64_t j = 0; j < n; ++j) {
-          if constexpr (std::is_same_v<KV, at::BFloat16>) {
+      // A block's rows of this item's KV heads as float32: fp32 caches are read in place
+      // (row stride `row`); bf16 rows are widened into blk_f (row stride `width`).
+      auto block_rows = [&](const KV* base, int64_t n, int64_t& stride) -> const float* {
+        if constexpr (std::is_same_v<KV, float>) {
+          stride = row;
+          return base;
+        } else {
+          float* dst = blk_f.data();
+          for (int64_t j = 0; j < n; ++j) {
             // bf16 is the top half of a float32: widen and shift (vectorizes, unlike the
             // element-wise conversion operator)
             const uint16_t* src = reinterpret_cast<const uint16_t*>(base + j * row);
             uint32_t* d = reinterpret_cast<uint32_t*>(dst + j * width);
 #pragma omp simd
             for (int64_t i = 0; i < width; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
-          } else {
-            const KV* src = base + j * row;
-#pragma omp simd
-            for (int64_t i = 0; i < width; ++i) dst[j * width + i] = to_float(src[i]);
           }
+          stride = width;
+          return dst;
         }
       };
       // pass 1: scores
       for (int64_t h = 0; h < qheads; ++h) m[h] = -std::numeric_limits<float>::infinity();
       for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
         const int64_t n = std::min(block_size, len - t0);
-        if (t0 + block_size < len) __builtin_prefetch(kc + table[blk + 1] * block_stride + g0 * D);
-        load_block(kc + table[blk] * block_stride + g0 * D, n);
+        const KV* next = t0 + block_size < len ? kc + table[blk + 1] * block_stride + g0 * D : nullptr;
+        int64_t stride;
+        const float* kb0 = block_rows(kc + table[blk] * block_stride + g0 * D, n, stride);
         for (int64_t h = 0; h < qheads; ++h) {
-          const float* qh = qs.data() + h * D;
-          const float* kb = blk_f.data() + (h / group) * D;
+          // spread the next block's prefetch over this block's heads (a burst of a whole
+          // block's prefetches stalls on the core's miss queue)
+          if (next) prefetch_rows(next + (h * block_size / qheads) * row, (h + 1) * block_size / qheads - h * block_size / qheads, row, width);
           float* sc = scores.data() + h * len + t0;
+          dot_rows<DC>(qs.data() + h * D, kb0 + (h / group) * D, stride, n, D, sc);
           float mh = m[h];
-          for (int64_t j = 0; j < n; ++j) {
-            const float* k = kb + j * width;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; ++i) dot += qh[i] * k[i];
-            sc[j] = dot;
-            mh = std::max(mh, dot);
-          }
+          for (int64_t j = 0; j < n; ++j) mh = std::max(mh, sc[j]);
           m[h] = mh;
         }
       }
@@ -143,34 +274,18 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
       for (int64_t h = 0; h < qheads; ++h) {
         float* sc = scores.data() + h * len;
         const float mh = m[h];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          sc[t] = exp_approx(sc[t] - mh);
-          sum += sc[t];
-        }
-        inv[h] = 1.f / sum;
+        inv[h] = 1.f / exp_sub_sum(sc, len, mh);
       }
       // pass 2: weighted V
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
         const int64_t n = std::min(block_size, len - t0);
-        if (t0 + block_size < len) __builtin_prefetch(vc + table[blk + 1] * block_stride + g0 * D);
-        load_block(vc + table[blk] * block_stride + g0 * D, n);
+        const KV* next = t0 + block_size < len ? vc + table[blk + 1] * block_stride + g0 * D : nullptr;
+        int64_t stride;
+        const float* vb0 = block_rows(vc + table[blk] * block_stride + g0 * D, n, stride);
         for (int64_t h = 0; h < qheads; ++h) {
-          const float* vb = blk_f.data() + (h / group) * D;
-          const float* p = scores.data() + h * len + t0;
-          float a[kMaxHeadDim];
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] = acc[h * D + i];
-          for (int64_t j = 0; j < n; ++j) {
-            const float pj = p[j];
-            const float* v = vb + j * width;
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) a[i] += pj * v[i];
-          }
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) acc[h * D + i] = a[i];
+          if (next) prefetch_rows(next + (h * block_size / qheads) * row, (h + 1) * block_size / qheads - h * block_size / qheads, row, width);
+          axpy_rows<DC>(scores.data() + h * len + t0, vb0 + (h / group) * D, stride, n, D, acc.data() + h * D);
         }
       }
       for (int64_t h = 0; h < qheads; ++h) {
@@ -296,7 +411,38 @@ torch::Tensor linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::T
   return out;
 }
 
+// RMSNorm (Zhang & Sennrich, 2019) in one pass per row, as transformers' Llama computes it:
+// y = weight * (x / sqrt(mean(x^2) + eps)), all in float32. The module does it in five or
+// six tensor ops, each a pass over memory plus a dispatch; at decode batch sizes the
+// dispatches are most of the cost.
+//   x [M, H] float32, weight [H] float32; returns [M, H] float32
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "bad shapes");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t M = xc.size(0), H = xc.size(1);
+  auto out = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr = xp + m * H;
+      float* orow = op + m * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) orow[i] = wp[i] * (xr[i] * r);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("linear_small_batch", &linear_small_batch, "x W^T for a few rows of x (CPU)");
 }

@@ -71,11 +71,12 @@ def test_sequences_join_and_leave_mid_batch(tiny_model, backend):
         assert seqs[i].output_token_ids == reference(ref, p, lengths[i], eos), i
 
 
-def test_chunked_prefill_matches(tiny_model):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_chunked_prefill_matches(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     prompts = prompts_of([40, 23, 3], model.config.vocab_size, seed=2)
-    engine = make_engine(model, max_num_batched_tokens=8)  # every prompt longer than 8 is chunked
+    engine = make_engine(model, max_num_batched_tokens=8, attention_backend=backend)  # every prompt longer than 8 is chunked
     seqs = engine.generate(prompts, GREEDY)
     for p, s in zip(prompts, seqs):
         assert s.output_token_ids == reference(ref, p, 12, eos)
@@ -95,13 +96,14 @@ def test_preemption_by_recompute_matches(tiny_model, backend):
         assert s.output_token_ids == ref_out
 
 
-def test_prefix_cache_hit_matches_and_skips_work(tiny_model):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_prefix_cache_hit_matches_and_skips_work(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     vocab = model.config.vocab_size
     shared = prompts_of([24], vocab, seed=4)[0]
     a, b = shared + [5, 6, 7], shared + [9, 10]
-    engine = make_engine(model)
+    engine = make_engine(model, attention_backend=backend)
     (sa,) = engine.generate([a], GREEDY)
     before = engine.stats.num_prefill_tokens
     (sb,) = engine.generate([b], GREEDY)
