@@ -135,7 +135,8 @@ def paged_prefill_attention(
     k, v = gather_kv(k_cache, v_cache, block_table, context_len)  # [L, KVH, D]
     k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
     v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
-    q = query.transpose(0, 1)  # [H, n, D]
+    # [H, n, D]; contiguous because the flash op assumes a unit stride in the last dimension
+    q = query.transpose(0, 1).contiguous()
     # prefix: each KV head serves its `group` query heads as group * n rows
     q_fold = q.reshape(1, num_kv_heads, group * n, head_dim)
     out_p, lse_p = flash(q_fold, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)[:2]
@@ -173,7 +174,7 @@ def accelerate_linears(model: torch.nn.Module, max_rows: int = SMALL_BATCH_ROWS)
         weight = module.weight
         limit = max_rows if weight.dtype == torch.float32 else min(max_rows, SMALL_BATCH_ROWS_BF16)
         bias = module.bias
-        kernel_bias = bias.detach().float() if bias is not None else empty
+        kernel_bias = bias if bias is not None else empty  # the kernel widens a bf16 bias per call
 
         # kept lean: at batch 1 this runs ~200 times a step, and every tensor op here costs
         # microseconds against ~100 µs of kernel

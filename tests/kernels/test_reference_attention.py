@@ -178,3 +178,41 @@ def test_rms_norms_are_routed_only_where_the_kernel_agrees():
     torch.testing.assert_close(llama(x), want_llama, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gemma(x), want_gemma)
     torch.testing.assert_close(llama(x.double()), want_llama.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_prefill_with_a_strided_query_matches_reference():
+    """torch's CPU flash op assumes a unit last-dimension stride; the kernel must not pass it
+    a strided query."""
+    from kernels import cpu
+
+    torch.manual_seed(5)
+    total, n, heads, kvh, d, bs = 40, 9, 8, 2, 64, 4
+    kc, vc = make_cache(num_blocks=16, bs=bs, kvh=kvh, d=d)
+    k, v = torch.randn(total, kvh, d), torch.randn(total, kvh, d)
+    table = torch.randperm(16)[: total // bs]
+    ref.write_kv(k, v, kc, vc, torch.tensor([table[t // bs] * bs + t % bs for t in range(total)]))
+    q = torch.randn(n, heads, 2 * d)[:, :, ::2]
+    want = ref.paged_prefill_attention(q.contiguous(), kc, vc, table, total, d ** -0.5)
+    torch.testing.assert_close(cpu.paged_prefill_attention(q, kc, vc, table, total, d ** -0.5), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_decode_with_wide_groups_and_heads_matches_reference():
+    cpu = _cpu_kernel()
+    torch.manual_seed(6)
+    for heads, kvh, d in [(32, 1, 64), (17, 1, 40), (2, 1, 264)]:
+        kc, vc = torch.randn(8, 4, kvh, d), torch.randn(8, 4, kvh, d)
+        tables, lens, q = torch.tensor([[3, 1, 7], [0, 2, 5]]), torch.tensor([9, 12]), torch.randn(2, heads, d)
+        torch.testing.assert_close(cpu.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5),
+                                   ref.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_routed_bf16_linear_sees_in_place_bias_updates():
+    cpu = _cpu_kernel()
+    lin = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    cpu.accelerate_linears(torch.nn.Sequential(lin))
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    before = lin(x)
+    with torch.no_grad():
+        lin.bias.add_(1.0)
+    torch.testing.assert_close(lin(x).float(), before.float() + 1.0, rtol=2e-2, atol=2e-2)
