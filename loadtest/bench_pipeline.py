@@ -103,6 +103,7 @@ def bench_pipeline(settings: Settings, prompts: list[str], max_tokens: int, mode
                     out.append(one(prompt, max_tokens))
         finally:
             launcher.stop_all(dep)
+            launcher.drop_namespace(settings)
     return out
 
 

@@ -322,6 +322,35 @@ def stop_all(dep: Deployment) -> None:
     terminate([p for p in (dep.nats_proc, dep.redis_proc) if p is not None], timeout_s=5)
 
 
+def drop_namespace(settings: Settings) -> None:
+    """Delete what a throwaway deployment (a test, a benchmark) left under its namespace: its
+    JetStream streams, its staged KV blocks and its shared-memory folder. Best effort: a bus
+    or store that is already gone is skipped. Not for a deployment whose prefix cache should
+    outlive it (``pdserve up`` keeps its shared-memory folder on purpose)."""
+    from shared import bus
+    from shared.kv import open_store
+
+    async def drop() -> None:
+        nc = await bus.connect(settings, "pdserve-cleanup", max_reconnect_attempts=0)
+        try:
+            await bus.delete_namespace(nc.jetstream(), settings.protocol())
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(drop())
+    except Exception:
+        pass
+    try:
+        store = open_store(settings)
+        store.clear()
+        store.close()
+    except Exception:
+        pass
+    if settings.kv_store == "shm":
+        shutil.rmtree(Path(settings.shm_dir) / f"pdserve-{settings.namespace}", ignore_errors=True)
+
+
 def state_file(state_dir: Path) -> Path:
     return state_dir / "state.json"
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import shutil
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,26 +47,7 @@ def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] |
 
 def cleanup(settings: Settings) -> None:
     """Delete the namespace's streams and staged KV."""
-    from shared import bus
-    from shared.kv import open_store
-
-    async def drop() -> None:
-        nc = await bus.connect(settings, "pdserve-test-cleanup", max_reconnect_attempts=0)
-        await bus.delete_namespace(nc.jetstream(), settings.protocol())
-        await nc.close()
-
-    try:
-        asyncio.run(drop())
-    except Exception:
-        pass
-    try:
-        store = open_store(settings)
-        store.clear()
-        store.close()
-    except Exception:
-        pass
-    if settings.kv_store == "shm":
-        shutil.rmtree(Path(settings.shm_dir) / f"pdserve-{settings.namespace}", ignore_errors=True)
+    launcher.drop_namespace(settings)
 
 
 def log_tail(dep, name_prefix: str, chars: int = 4000) -> str:
