@@ -291,7 +291,7 @@ class DecodeWorker(ModelWorker):
         rid = meta.request_id
         if rid in self.active:
             item.done = True  # redelivery of a request running here: the first delivery acks
-            return
+            return "duplicate"
         if not await self.still_wanted(meta, item.num_delivered):
             await self._drop_tail(task)
             await item.ack()

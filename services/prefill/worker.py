@@ -145,7 +145,7 @@ class PrefillWorker(ModelWorker):
         rid = meta.request_id
         if rid in self.pending:
             item.done = True  # a redelivery of work this worker is doing now: the first delivery acks
-            return
+            return "duplicate"
         if not await self.still_wanted(meta, item.num_delivered):
             await item.ack()
             return "dropped"

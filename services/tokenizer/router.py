@@ -80,7 +80,9 @@ class Router:
                  f"{local_s * 1e3:.0f} ms vs remote {remote_s * 1e3:.0f} ms (queue {queue_s * 1e3:.0f} ms, "
                  f"transfer {transfer_s * 1e3:.0f} ms)")
         if n_new > self.local_max_tokens:
-            if local_s * OVERFLOW_MARGIN < remote_s:
+            # only a queue at the prefill workers overrides the limit: with idle prefill workers
+            # a fast model would otherwise always look cheaper locally (the fixed hop cost)
+            if queue_s > 0 and local_s * OVERFLOW_MARGIN < remote_s:
                 return RouteDecision("local", f"prefill workers backed up: {facts}", local_s, remote_s)
             return RouteDecision("remote", f"longer than the local limit of {self.local_max_tokens}: {facts}",
                                  local_s, remote_s)

@@ -44,3 +44,11 @@ def test_no_worker_of_a_kind_decides_by_itself():
     r = Router(local_max_tokens=64, kv_bytes_per_token=0)
     assert r.decide(5000, 0, [], [hb("decode", "d", 1.0)]).target == "local"
     assert r.decide(5, 0, [hb("prefill", "p", 1.0)], []).target == "remote"
+
+
+def test_long_prompt_goes_remote_to_idle_prefill_workers_even_on_a_fast_model():
+    """Over the local limit with nothing queued at prefill: remote, however fast local prefill
+    is (the hop's fixed cost alone must not pull long prompts onto decode workers)."""
+    r = Router(local_max_tokens=32, kv_bytes_per_token=0)
+    d = r.decide(80, 0, [hb("prefill", "p", 20000.0)], [hb("decode", "d", 20000.0)])
+    assert d.target == "remote" and "local limit of 32" in d.reason
