@@ -249,42 +249,41 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
           return dst;
         }
       };
-      // pass 1: scores
-      for (int64_t h = 0; h < qheads; ++h) m[h] = -std::numeric_limits<float>::infinity();
-      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const int64_t n = std::min(block_size, len - t0);
-        const KV* next = t0 + block_size < len ? kc + table[blk + 1] * block_stride + g0 * D : nullptr;
-        int64_t stride;
-        const float* kb0 = block_rows(kc + table[blk] * block_stride + g0 * D, n, stride);
-        for (int64_t h = 0; h < qheads; ++h) {
-          // spread the next block's prefetch over this block's heads (a burst of a whole
-          // block's prefetches stalls on the core's miss queue)
-          if (next) prefetch_rows(next + (h * block_size / qheads) * row, (h + 1) * block_size / qheads - h * block_size / qheads, row, width);
-          float* sc = scores.data() + h * len + t0;
-          dot_rows<DC>(qs.data() + h * D, kb0 + (h / group) * D, stride, n, D, sc);
-          float mh = m[h];
-          for (int64_t j = 0; j < n; ++j) mh = std::max(mh, sc[j]);
-          m[h] = mh;
+      // Walk the sequence's blocks of one cache (K or V): for each block and query head h,
+      // fn(h, rows of h's KV head, row stride, first token, tokens in the block). The next
+      // block's prefetch is spread over the heads (a burst of a whole block's prefetches
+      // stalls on the core's miss queue).
+      auto for_each_block = [&](const KV* cache, auto&& fn) {
+        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
+          const int64_t n = std::min(block_size, len - t0);
+          const KV* next = t0 + block_size < len ? cache + table[blk + 1] * block_stride + g0 * D : nullptr;
+          int64_t stride;
+          const float* rows = block_rows(cache + table[blk] * block_stride + g0 * D, n, stride);
+          for (int64_t h = 0; h < qheads; ++h) {
+            if (next) {
+              const int64_t r0 = h * block_size / qheads, r1 = (h + 1) * block_size / qheads;
+              prefetch_rows(next + r0 * row, r1 - r0, row, width);
+            }
+            fn(h, rows + (h / group) * D, stride, t0, n);
+          }
         }
-      }
+      };
+      // pass 1: scores and their max per head
+      for (int64_t h = 0; h < qheads; ++h) m[h] = -std::numeric_limits<float>::infinity();
+      for_each_block(kc, [&](int64_t h, const float* k, int64_t stride, int64_t t0, int64_t n) {
+        float* sc = scores.data() + h * len + t0;
+        dot_rows<DC>(qs.data() + h * D, k, stride, n, D, sc);
+        float mh = m[h];
+        for (int64_t j = 0; j < n; ++j) mh = std::max(mh, sc[j]);
+        m[h] = mh;
+      });
       // softmax weights
-      for (int64_t h = 0; h < qheads; ++h) {
-        float* sc = scores.data() + h * len;
-        const float mh = m[h];
-        inv[h] = 1.f / exp_sub_sum(sc, len, mh);
-      }
+      for (int64_t h = 0; h < qheads; ++h) inv[h] = 1.f / exp_sub_sum(scores.data() + h * len, len, m[h]);
       // pass 2: weighted V
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const int64_t n = std::min(block_size, len - t0);
-        const KV* next = t0 + block_size < len ? vc + table[blk + 1] * block_stride + g0 * D : nullptr;
-        int64_t stride;
-        const float* vb0 = block_rows(vc + table[blk] * block_stride + g0 * D, n, stride);
-        for (int64_t h = 0; h < qheads; ++h) {
-          if (next) prefetch_rows(next + (h * block_size / qheads) * row, (h + 1) * block_size / qheads - h * block_size / qheads, row, width);
-          axpy_rows<DC>(scores.data() + h * len + t0, vb0 + (h / group) * D, stride, n, D, acc.data() + h * D);
-        }
-      }
+      for_each_block(vc, [&](int64_t h, const float* v, int64_t stride, int64_t t0, int64_t n) {
+        axpy_rows<DC>(scores.data() + h * len + t0, v, stride, n, D, acc.data() + h * D);
+      });
       for (int64_t h = 0; h < qheads; ++h) {
         float* oh = o + (b * num_heads + g0 * group + h) * D;
         for (int64_t i = 0; i < D; ++i) oh[i] = acc[h * D + i] * inv[h];
