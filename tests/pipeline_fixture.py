@@ -42,12 +42,7 @@ def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] |
         yield dep
     finally:
         launcher.stop_all(dep)
-        cleanup(settings)
-
-
-def cleanup(settings: Settings) -> None:
-    """Delete the namespace's streams and staged KV."""
-    launcher.drop_namespace(settings)
+        launcher.drop_namespace(settings)
 
 
 def log_tail(dep, name_prefix: str, chars: int = 4000) -> str:
