@@ -9,7 +9,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.model_loader import ensure_model, resolve_device, resolve_dtype
 from shared.config import Settings
 from shared.logging import get_logger
-from shared.models import served_model_name
+from shared.model_files import served_model_name
 
 log = get_logger(__name__)
 

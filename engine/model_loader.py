@@ -23,7 +23,7 @@ import torch
 
 from shared.config import Settings
 from shared.logging import get_logger
-from shared.models import COMPLETE_MARKER, ModelNotAvailable, default_gguf_path, is_complete, model_dir
+from shared.model_files import COMPLETE_MARKER, ModelNotAvailable, default_gguf_path, is_complete, model_dir
 
 log = get_logger(__name__)
 
@@ -128,13 +128,6 @@ def ensure_model(settings: Settings, progress: bool = True) -> Path:
         if not is_complete(folder):
             convert_gguf(default_gguf_path(), folder, progress=progress)
     return folder
-
-
-def load_tokenizer(folder: Path):
-    """A transformers tokenizer from ``folder``."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str):

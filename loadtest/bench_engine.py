@@ -161,7 +161,7 @@ def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str,
     from loadtest.client import RequestSpec, run_workload
     from loadtest.infra import free_port
     from services import launcher
-    from shared.models import DEFAULT_GGUF_FILE, default_gguf_path, served_model_name
+    from shared.model_files import DEFAULT_GGUF_FILE, default_gguf_path, served_model_name
 
     name = served_model_name(settings)
     out_tokens = 32 if quick else 64
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads
     settings = Settings.from_env(torch_threads=threads)
     from engine.model_loader import ensure_model, resolve_device, resolve_dtype
-    from shared.models import served_model_name
+    from shared.model_files import served_model_name
 
     folder = ensure_model(settings)
     dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))

@@ -87,7 +87,7 @@ class Deployed:
 
 
 def _model_name(settings: Settings) -> str:
-    from shared.models import served_model_name
+    from shared.model_files import served_model_name
 
     return served_model_name(settings)
 
@@ -270,7 +270,7 @@ def verdict_lines(s: dict) -> list[str]:
 def run_llama(base: Settings, args, mix, rates, say):
     from loadtest.baselines import LlamaCpp, find_llama_server
     from loadtest.infra import free_port
-    from shared.models import default_gguf_path
+    from shared.model_files import default_gguf_path
 
     binary = find_llama_server()
     if binary is None or base.model:

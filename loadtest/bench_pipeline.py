@@ -50,8 +50,9 @@ def bench_in_process(settings: Settings, prompts: list[str], max_tokens: int, th
     import torch
 
     from engine.factory import build_engine
-    from engine.model_loader import ensure_model, load_tokenizer
+    from engine.model_loader import ensure_model
     from shared.messages import SamplingParams
+    from shared.model_files import load_tokenizer
 
     torch.set_num_threads(threads)
     engine = build_engine(settings.replace(torch_threads=threads))
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv or [])
     from engine.model_loader import ensure_model
     from services.launcher import torch_threads
-    from shared.models import served_model_name
+    from shared.model_files import served_model_name
 
     overrides = {"namespace": f"bench{uuid.uuid4().hex[:6]}", "gateway_port": 8199}
     if args.kv_store:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     rows[f"pipeline (5 processes, KV via {settings.kv_store})"] = bench_pipeline(
         settings, prompts, args.max_tokens, served_model_name(settings))
 
-    from engine.model_loader import load_tokenizer
+    from shared.model_files import load_tokenizer
 
     tok = load_tokenizer(ensure_model(settings))
     chat = tok.apply_chat_template([{"role": "user", "content": prompts[0]}], add_generation_prompt=True, tokenize=False)

@@ -198,8 +198,9 @@ class Row:
 def references(settings: Settings, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy texts from the engine in this process (no bus): the truth the pipeline must match."""
     from engine.factory import build_engine
-    from engine.model_loader import ensure_model, load_tokenizer
+    from engine.model_loader import ensure_model
     from shared.messages import SamplingParams
+    from shared.model_files import load_tokenizer
 
     tok = load_tokenizer(ensure_model(settings))
     engine = build_engine(settings)
@@ -233,7 +234,7 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
               interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None) -> list[Row]:
     """Run the scenarios; returns one row each (also used by the CI test)."""
     from services import launcher
-    from shared.models import served_model_name
+    from shared.model_files import served_model_name
 
     tmp_ctx = tempfile.TemporaryDirectory() if workdir is None else None
     root = Path(tmp_ctx.name) if tmp_ctx else workdir

@@ -5,7 +5,8 @@
     pdserve status
     pdserve convert
     pdserve settings
-    pdserve bench {pipeline,bus}
+    pdserve bench {pipeline,bus,engine,modes,load}   (from loadtest/, see COMMANDS_GROUP)
+    pdserve chaos                                    (from loadtest/)
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def cmd_up(args) -> int:
 
 
 def _model_name(settings: Settings) -> str:
-    from shared.models import served_model_name
+    from shared.model_files import served_model_name
 
     return served_model_name(settings)
 
@@ -145,28 +146,17 @@ def cmd_settings(args) -> int:
     return 0
 
 
-def _bench(module: str):
-    def load():
-        import importlib
-
-        return importlib.import_module(f"loadtest.{module}").main
-
-    return load
+#: Entry-point group of commands that live outside the product (``pdserve bench``, ``pdserve chaos``
+#: from ``loadtest/``): found by name, imported only when run.
+COMMANDS_GROUP = "pdserve.commands"
 
 
-#: ``pdserve bench <name> [options]``: each benchmark parses its own options.
-BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus"), "engine": _bench("bench_engine"),
-              "modes": _bench("bench_modes"), "load": _bench("loadgen")}
+def external_commands() -> dict:
+    """``{name: entry point}`` of the commands registered under :data:`COMMANDS_GROUP`; each
+    loads to a callable ``fn(argv) -> exit status``."""
+    from importlib.metadata import entry_points
 
-
-def cmd_chaos(args) -> int:
-    from loadtest.chaos import main as chaos_main
-
-    return chaos_main(args.rest)
-
-
-def cmd_bench(args) -> int:
-    return BENCHMARKS[args.what]()(args.rest)
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,14 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--markdown", action="store_true", help="the defaults as the README's Markdown table")
     se.set_defaults(fn=cmd_settings)
 
-    ch = sub.add_parser("chaos", help="fault-injection suite (killed workers, restarts, disconnects)")
-    ch.add_argument("rest", nargs=argparse.REMAINDER)
-    ch.set_defaults(fn=cmd_chaos)
-
-    be = sub.add_parser("bench", help="benchmarks that print their figures")
-    be.add_argument("what", choices=sorted(BENCHMARKS))
-    be.add_argument("rest", nargs=argparse.REMAINDER)
-    be.set_defaults(fn=cmd_bench)
+    helps = {"chaos": "fault-injection suite (killed workers, restarts, disconnects)",
+             "bench": "benchmarks that print their figures: pdserve bench NAME --help"}
+    for name in sorted(external_commands()):
+        ext = sub.add_parser(name, help=helps.get(name, f"{name} (from {COMMANDS_GROUP})"), add_help=False)
+        ext.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 
@@ -215,13 +202,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `pdserve settings | head` ends quietly
     argv = sys.argv[1:] if argv is None else list(argv)
-    # sub-commands with their own option parsers get the rest of the line untouched
-    if argv[:1] == ["chaos"]:
-        from loadtest.chaos import main as chaos_main
-
-        return chaos_main(argv[1:])
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
-        return BENCHMARKS[argv[1]]()(argv[2:])
+    # commands from other packages parse their own options: they get the rest of the line
+    external = external_commands()
+    if argv[:1] and argv[0] in external:
+        return external[argv[0]].load()(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     return args.fn(args) or 0
 

@@ -167,16 +167,16 @@ def command_of(settings: Settings, stage: str) -> list[str]:
     """The module (and arguments) that runs ``stage``: ``services.<stage>``, or the stage runner
     with the class of a pluggable pre-stage (``stage-<name>``)."""
     if stage.startswith("stage-"):
-        from services.stages.api import refs, stage_name
+        from services.plugins.api import refs, stage_name
 
         ref = next(r for r in refs(settings.pre_stages) if f"stage-{stage_name(r)}" == stage)
-        return ["-m", "services.stage", ref]
+        return ["-m", "services.prompt_stage", ref]
     return ["-m", f"services.{stage}"]
 
 
 def all_stages(settings: Settings) -> list[str]:
     """Every service of a deployment: the pluggable pre-stages, then the built-in five."""
-    from services.stages.api import refs, stage_name
+    from services.plugins.api import refs, stage_name
 
     return [*(f"stage-{stage_name(r)}" for r in refs(settings.pre_stages)), *STAGES]
 

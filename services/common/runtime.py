@@ -36,7 +36,7 @@ from shared.messages import (
     encode,
 )
 from shared.metrics import ProbeServer
-from shared.models import served_model_name
+from shared.model_files import served_model_name
 from shared.tracing import configure_tracing
 
 log = get_logger(__name__)

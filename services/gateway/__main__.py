@@ -1,6 +1,6 @@
 """``python -m services.gateway``"""
 
-from services.gateway.worker import main_entry
+from services.gateway.server import main_entry
 
 if __name__ == "__main__":
     main_entry()

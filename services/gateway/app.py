@@ -55,7 +55,7 @@ from shared.errors import (
 from shared.logging import get_logger, request_scope
 from shared.messages import ChatMessage, RequestMeta, SamplingParams, TokenizeTask
 from shared.metrics import gateway_metrics
-from shared.models import is_complete, model_dir, served_model_name
+from shared.model_files import load_tokenizer, model_folder, served_model_name
 from shared.timeline import now_mark
 from shared.tracing import start_span
 
@@ -101,15 +101,9 @@ class Gateway:
 
     def load_model(self) -> None:
         """Model limits (vocabulary, context) and the tokenizer (for /tokenize and echo)."""
-        from transformers import AutoTokenizer
-
-        folder = model_dir(self.settings)
-        if not is_complete(folder):
-            from engine.model_loader import ensure_model  # imports torch: only for a first conversion
-
-            folder = ensure_model(self.settings, progress=True)
+        folder = model_folder(self.settings)
         self.vocab_size, self.max_model_len = model_limits(folder, self.settings.max_model_len)
-        self.prompts = PromptProcessor(AutoTokenizer.from_pretrained(folder), self.vocab_size, self.max_model_len)
+        self.prompts = PromptProcessor(load_tokenizer(folder), self.vocab_size, self.max_model_len)
 
     # --- request parsing ------------------------------------------------------------------
     async def read_json(self, request: Request) -> dict:

@@ -20,7 +20,7 @@ from shared.errors import PoisonMessage, ServiceUnavailable
 from shared.logging import get_logger
 from shared.messages import Abort, Heartbeat, Message, RequestStatus, StatusQuery, TextResend, TokenizeTask
 from shared.metrics import queue_metrics
-from shared.models import served_model_name
+from shared.model_files import served_model_name
 from shared.registry import WorkerRegistry
 
 log = get_logger(__name__)

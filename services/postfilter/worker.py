@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.runtime import RecentSet, Worker, main
+from services.plugins.api import TextFilter, load_class, refs
 from services.postfilter.text import Detokenizer, StopMatcher, TokenText
-from services.stages.api import TextFilter, load_class, refs
 from shared import bus
 from shared.errors import PoisonMessage
 from shared.messages import (
@@ -50,6 +50,7 @@ from shared.messages import (
     encode,
 )
 from shared.metrics import stage_metrics
+from shared.model_files import load_tokenizer, model_folder
 from shared.timeline import now_mark
 from shared.tracing import start_span
 
@@ -89,9 +90,7 @@ class PostfilterWorker(Worker):
     stage = "postfilter"
 
     async def setup(self) -> None:
-        from engine.model_loader import ensure_model, load_tokenizer
-
-        folder = await asyncio.to_thread(ensure_model, self.settings)
+        folder = await asyncio.to_thread(model_folder, self.settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         self.tokenizer = tokenizer.backend_tokenizer
         self.token_text = TokenText(self.tokenizer)

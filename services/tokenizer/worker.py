@@ -30,6 +30,7 @@ from shared.hashing import block_hashes, hash_extra
 from shared.kv import block_key, open_store
 from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
 from shared.metrics import router_metrics
+from shared.model_files import load_tokenizer, model_folder
 from shared.registry import WorkerRegistry
 from shared.timeline import with_mark
 from shared.tracing import span
@@ -39,9 +40,7 @@ class TokenizerWorker(Worker):
     stage = "tokenizer"
 
     async def setup(self) -> None:
-        from engine.model_loader import ensure_model, load_tokenizer
-
-        folder = await asyncio.to_thread(ensure_model, self.settings)
+        folder = await asyncio.to_thread(model_folder, self.settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         vocab, max_len = model_limits(folder, self.settings.max_model_len)
         self.processor = PromptProcessor(tokenizer, vocab, max_len)

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_example_stages_are_wired_by_configuration(tmp_path, tiny_model_dir, nats_url):
     ns = f"t{uuid.uuid4().hex[:10]}"
-    with deployment(tmp_path, str(tiny_model_dir), ns, pre_stages="services.stages.examples:AddContext",
-                    text_filters="services.stages.examples:RedactPatterns") as dep, \
+    with deployment(tmp_path, str(tiny_model_dir), ns, pre_stages="services.plugins.examples:AddContext",
+                    text_filters="services.plugins.examples:RedactPatterns") as dep, \
             httpx.Client(base_url=dep.url, timeout=60) as client:
         assert any(h.stage == "stage-addcontext" for h in heartbeats(dep.settings).values())
         question = [{"role": "user", "content": "Where is Paris?"}]

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from services.stages.api import load_class, refs, stage_name
-from services.stages.examples import AddContext, RedactPatterns
+from services.plugins.api import load_class, refs, stage_name
+from services.plugins.examples import AddContext, RedactPatterns
 from shared.config import Settings
 from shared.messages import ChatMessage, RequestMeta, SamplingParams, TokenizeTask
 
@@ -44,12 +44,12 @@ def test_add_context_prepends_retrieved_facts():
 
 def test_stage_refs():
     assert refs(" a.b:C , d:E,") == ["a.b:C", "d:E"]
-    assert stage_name("services.stages.examples:AddContext") == "addcontext"
-    assert load_class("services.stages.examples:AddContext") is AddContext
+    assert stage_name("services.plugins.examples:AddContext") == "addcontext"
+    assert load_class("services.plugins.examples:AddContext") is AddContext
     with pytest.raises(ValueError):
-        load_class("services.stages.examples")
+        load_class("services.plugins.examples")
     with pytest.raises(ValueError):
-        load_class("services.stages.examples:Nope")
+        load_class("services.plugins.examples:Nope")
     proto = Settings.from_env({}, pre_stages="x.y:First,x.y:Second").protocol()
     assert proto.entry.subject == "pd.stage-first.tasks"
     assert proto.after_stage("first").subject == "pd.stage-second.tasks"

@@ -16,7 +16,7 @@ from shared.messages import TokenizeTask
 
 class PromptStage(abc.ABC):
     """A pre-processing stage between the gateway and the tokenizer, run as its own service
-    (``python -m services.stage module:Class``; ``pdserve up`` starts one per entry of
+    (``python -m services.prompt_stage module:Class``; ``pdserve up`` starts one per entry of
     ``PD_PRE_STAGES``). It receives every request's TokenizeTask, in order of
     ``PD_PRE_STAGES``, and returns the task to pass on — e.g. with retrieved context added to
     the prompt. Replicas share one durable consumer, like every stage.

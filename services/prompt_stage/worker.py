@@ -1,6 +1,6 @@
-"""Runner of a pluggable pre-processing stage: ``python -m services.stage module.path:Class``.
+"""Runner of a pluggable pre-processing stage: ``python -m services.prompt_stage module.path:Class``.
 
-The class (a :class:`~services.stages.api.PromptStage`) only transforms a TokenizeTask; this
+The class (a :class:`~services.plugins.api.PromptStage`) only transforms a TokenizeTask; this
 runner pulls tasks from the stage's own work queue (``<ns>.stage-<name>.tasks``, durable
 ``stage-<name>-workers``, shared by the stage's replicas), calls the class, publishes the result
 to the next queue (the next pre-stage or the tokenizer) and acks only once that is stored —
@@ -16,7 +16,7 @@ import msgspec
 
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.runtime import Worker
-from services.stages.api import PromptStage, load_class, stage_name
+from services.plugins.api import PromptStage, load_class, stage_name
 from shared import bus
 from shared.config import Settings
 from shared.messages import TokenizeTask
@@ -70,7 +70,7 @@ class StageWorker(Worker):
 
 def main_entry() -> None:
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m services.stage module.path:ClassName")
+        raise SystemExit("usage: python -m services.prompt_stage module.path:ClassName")
     settings = Settings.from_env()
     try:
         asyncio.run(StageWorker(settings, sys.argv[1]).run())

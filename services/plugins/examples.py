@@ -1,6 +1,6 @@
 """Two example stages: retrieved context added to the prompt, and patterns redacted from the
-streamed text. ``PD_PRE_STAGES=services.stages.examples:AddContext`` and
-``PD_TEXT_FILTERS=services.stages.examples:RedactPatterns`` turn them on."""
+streamed text. ``PD_PRE_STAGES=services.plugins.examples:AddContext`` and
+``PD_TEXT_FILTERS=services.plugins.examples:RedactPatterns`` turn them on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.stages.api import PromptStage, TextFilter
+from services.plugins.api import PromptStage, TextFilter
 from shared.messages import ChatMessage, TokenizeTask
 
 #: A tiny knowledge base; ``PD_CONTEXT_FILE`` (a JSON object keyword → fact) replaces it.
