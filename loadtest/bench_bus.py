@@ -23,7 +23,8 @@ import uuid
 
 from nats.js import api as js_api
 
-from shared import bus, messages
+from shared import messages
+from shared import nats_bus as bus
 from shared.config import Settings
 
 

@@ -327,7 +327,7 @@ def drop_namespace(settings: Settings) -> None:
     JetStream streams, its staged KV blocks and its shared-memory folder. Best effort: a bus
     or store that is already gone is skipped. Not for a deployment whose prefix cache should
     outlive it (``pdserve up`` keeps its shared-memory folder on purpose)."""
-    from shared import bus
+    from shared import nats_bus as bus
     from shared.kv import open_store
 
     async def drop() -> None:

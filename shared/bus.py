@@ -1,250 +1,119 @@
-"""NATS plumbing: connecting, declaring the work-queue streams and their durable pull
-consumers, publishing work items idempotently, and core-NATS publish/subscribe.
+"""The bus seam: the few operations the services need from the message bus.
 
-Work items (TokenizeTask, PrefillTask, DecodeTask) ride JetStream work-queue streams: a
-message is removed once acked, every replica of a stage pulls from the one durable consumer
-(``<stage>-workers``), acks are explicit, unacked work is redelivered after ``ack_wait``, up to
-``max_deliver`` times, and a re-published item with the same ``Nats-Msg-Id`` inside the
-duplicate window is dropped by the server. Per-token traffic (TokenChunk, TextChunk) and
-control messages (Abort, Heartbeat, Accepted, ErrorEvent) use core NATS: see
-``docs/decisions.md`` for the measurement behind that choice.
+* **work** — ``publish_work`` a work item on a stage's queue (de-duplicated by
+  ``queue.msg_id(request_id)`` inside the duplicate window), ``pull`` up to n items from the
+  stage's durable consumer (shared by its replicas: each item goes to one of them), and settle
+  each :class:`Delivery` with ``ack`` / ``nak(delay)`` / ``in_progress`` / ``term``. An item
+  neither acked nor marked in progress within ``ack_wait`` is delivered again (at least once),
+  up to ``max_deliver`` times.
+* **events** — ``publish`` / ``subscribe`` on subjects (no persistence; per-subscriber order
+  kept; ``*`` and ``>`` wildcards as in NATS).
+* **request/reply** — ``request`` a subject and await one answer; ``serve`` answers.
+
+Two implementations pass one contract test (``tests/unit/test_bus_contract.py``):
+:class:`shared.nats_bus.NatsBus` (JetStream work-queue streams + core NATS) and
+:class:`shared.memory_bus.MemoryBus` (in-process, for service tests that run in
+milliseconds). Messages are the msgspec structs of :mod:`shared.messages`.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+import abc
+from collections.abc import Awaitable, Callable, Iterable
 
-import nats
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-from nats.js import api as js_api
-from nats.js.errors import NotFoundError
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from shared.messages import Message
+from shared.subjects import WorkQueue
 
-from shared import messages
-from shared.config import Settings
-from shared.errors import PayloadTooLarge, ServiceUnavailable
-from shared.logging import get_logger
-from shared.subjects import Protocol, WorkQueue
-
-log = get_logger(__name__)
-
-#: Seconds JetStream remembers a Nats-Msg-Id for de-duplication.
-DUPLICATE_WINDOW_S = 120.0
-#: Oldest a queued work item may get before the stream drops it (requests have far
-#: shorter deadlines; this only bounds what a dead deployment leaves behind).
-MAX_AGE_S = 3600.0
-#: Bound on queued work items per stream; publishing beyond it fails (back-pressure).
-MAX_MSGS = 100_000
-#: How long a one-shot client waits for its first connection to NATS.
-CONNECT_DEADLINE_S = 5.0
+#: Called with each decoded event.
+EventHandler = Callable[[Message], Awaitable[None]]
+#: Called with the raw payload of an undecodable event.
+PoisonHandler = Callable[[Exception, bytes], None]
+#: Answers a request's raw payload with a message (None: no answer).
+RequestHandler = Callable[[bytes], Awaitable[Message | None]]
 
 
-async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int = -1) -> NATS:
-    """Connect to ``settings.nats_url``.
-
-    With the default ``max_reconnect_attempts=-1`` (services) it waits for the server as long
-    as it takes, then reconnects forever after any disconnect. With ``>= 0`` (one-shot
-    clients: ``pdserve status``, benchmarks, tests) the first connection must succeed within
-    ``CONNECT_DEADLINE_S``.
-
-    Raises:
-        ServiceUnavailable: with ``max_reconnect_attempts >= 0``, no NATS server answered in time.
-    """
-
-    async def on_error(exc: Exception) -> None:
-        log.warning("nats_error", error=str(exc))
-
-    closing = {"nc": None}
-
-    async def on_disconnect() -> None:
-        nc = closing["nc"]
-        if nc is not None and (nc.is_closed or nc.is_draining):
-            return  # our own close
-        log.warning("nats_disconnected")
-
-    async def on_reconnect() -> None:
-        log.info("nats_reconnected")
-
-    fail_fast = max_reconnect_attempts >= 0
-    try:
-        # nats-py retries the first connection forever when max_reconnect_attempts is 0 or
-        # negative, whatever allow_reconnect says: bound it here.
-        connecting = nats.connect(
-            settings.nats_url,
-            name=name,
-            connect_timeout=3,
-            allow_reconnect=True,
-            max_reconnect_attempts=max_reconnect_attempts,
-            reconnect_time_wait=0.5,
-            ping_interval=5,
-            max_outstanding_pings=3,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-        )
-        closing["nc"] = await (asyncio.wait_for(connecting, CONNECT_DEADLINE_S) if fail_fast else connecting)
-        return closing["nc"]
-    except Exception as exc:  # nats raises several unrelated types here
-        why = "no answer" if isinstance(exc, asyncio.TimeoutError) else (str(exc) or exc.__class__.__name__)
-        raise ServiceUnavailable(f"cannot reach NATS at {settings.nats_url}: {why}") from exc
+class NoResponders(Exception):
+    """A request found nobody serving its subject."""
 
 
-def stream_config(queue: WorkQueue) -> js_api.StreamConfig:
-    return js_api.StreamConfig(
-        name=queue.stream,
-        subjects=[queue.subject],
-        retention=js_api.RetentionPolicy.WORK_QUEUE,
-        storage=js_api.StorageType.FILE,
-        discard=js_api.DiscardPolicy.NEW,
-        max_msgs=MAX_MSGS,
-        max_age=MAX_AGE_S,
-        duplicate_window=DUPLICATE_WINDOW_S,
-    )
+class Delivery(abc.ABC):
+    """One delivery of a work item. Settle it exactly once (later calls are ignored)."""
+
+    data: bytes
+    #: 1 on the first delivery, 2 on the first redelivery, ...
+    num_delivered: int
+    #: unix seconds when the item was published
+    queued_at: float
+
+    @abc.abstractmethod
+    async def ack(self) -> None:
+        """Done: the item is removed from the queue."""
+
+    @abc.abstractmethod
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Not done here: deliver it again (to any replica) after ``delay_s`` seconds."""
+
+    @abc.abstractmethod
+    async def in_progress(self) -> None:
+        """Still working on it: restart its ``ack_wait`` clock."""
+
+    @abc.abstractmethod
+    async def term(self) -> None:
+        """Never deliver it again (a poison item)."""
 
 
-def consumer_config(queue: WorkQueue, settings: Settings) -> js_api.ConsumerConfig:
-    return js_api.ConsumerConfig(
-        durable_name=queue.durable,
-        ack_policy=js_api.AckPolicy.EXPLICIT,
-        ack_wait=settings.ack_wait_s,
-        max_deliver=settings.max_deliver,
-        max_ack_pending=10_000,
-        max_waiting=512,
-        filter_subject=queue.subject,
-        deliver_policy=js_api.DeliverPolicy.ALL,
-    )
+class Bus(abc.ABC):
+    """A connection to the bus (one per process)."""
 
+    @property
+    @abc.abstractmethod
+    def is_connected(self) -> bool: ...
 
-async def ensure_work_queue(js: JetStreamContext, queue: WorkQueue, settings: Settings) -> None:
-    """Create (or bring up to date) a work-queue stream and its durable consumer. Idempotent;
-    every process that uses a queue calls it at start, so start-up order does not matter."""
-    config = stream_config(queue)
-    try:
-        await js.stream_info(queue.stream)
-        await js.update_stream(config)
-    except NotFoundError:
-        try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await js.stream_info(queue.stream)  # another process created it meanwhile
-    cconfig = consumer_config(queue, settings)
-    try:
-        info = await js.consumer_info(queue.stream, queue.durable)
-        if info.config.ack_wait != cconfig.ack_wait or info.config.max_deliver != cconfig.max_deliver:
-            await js.add_consumer(queue.stream, cconfig)  # updates a durable consumer in place
-    except NotFoundError:
-        try:
-            await js.add_consumer(queue.stream, cconfig)
-        except nats.js.errors.BadRequestError:
-            await js.consumer_info(queue.stream, queue.durable)
-    except nats.js.errors.BadRequestError as exc:
-        log.warning("consumer_update_refused", durable=queue.durable, error=str(exc))
+    @abc.abstractmethod
+    async def ensure_queues(self, queues: Iterable[WorkQueue]) -> None:
+        """Create the queues and their durable consumers if missing (idempotent)."""
 
+    @abc.abstractmethod
+    async def publish_work(self, queue: WorkQueue, message: Message, request_id: str,
+                           headers: dict[str, str] | None = None) -> None:
+        """Queue a work item once it is stored; a second item with the same
+        ``queue.msg_id(request_id)`` inside the duplicate window is dropped.
 
-async def ensure_all_queues(js: JetStreamContext, protocol: Protocol, settings: Settings) -> None:
-    for queue in protocol.work_queues:
-        await ensure_work_queue(js, queue, settings)
+        Raises:
+            PayloadTooLarge: the item does not fit on the bus.
+            ServiceUnavailable: the bus did not take it.
+        """
 
+    @abc.abstractmethod
+    async def pull(self, queue: WorkQueue, max_items: int, timeout_s: float) -> list[Delivery]:
+        """Up to ``max_items`` deliveries from the queue's durable consumer; waits up to
+        ``timeout_s`` for the first, and returns [] when none came."""
 
-async def delete_namespace(js: JetStreamContext, protocol: Protocol) -> None:
-    """Delete every stream of a namespace (tests, ``pdserve down --purge``)."""
-    for queue in protocol.work_queues:
-        try:
-            await js.delete_stream(queue.stream)
-        except NotFoundError:
-            pass
+    @abc.abstractmethod
+    async def queue_depth(self, queue: WorkQueue) -> int:
+        """Items waiting in the queue, not yet delivered."""
 
+    @abc.abstractmethod
+    async def publish(self, subject: str, message: Message) -> None:
+        """Fire and forget: every current subscriber of ``subject`` gets it (or nobody)."""
 
-async def publish_task(
-    js: JetStreamContext,
-    queue: WorkQueue,
-    message: messages.Message,
-    request_id: str,
-    *,
-    headers: dict[str, str] | None = None,
-    timeout_s: float = 5.0,
-) -> js_api.PubAck:
-    """Publish a work item and wait until JetStream has stored it.
+    @abc.abstractmethod
+    async def subscribe(self, subject: str, handler: EventHandler, *, on_poison: PoisonHandler | None = None) -> None:
+        """Call ``handler`` with each decoded message on ``subject``, in order."""
 
-    The ``Nats-Msg-Id`` is ``queue.msg_id(request_id)``, so retrying (here, or after a
-    redelivery of the task that produced this one) never queues the work twice.
+    @abc.abstractmethod
+    async def request(self, subject: str, message: Message, timeout_s: float) -> bytes:
+        """The raw payload of the first answer.
 
-    Raises:
-        PayloadTooLarge: the message is over the server's max_payload.
-        ServiceUnavailable: JetStream did not take the message after a few tries.
-    """
-    payload = messages.encode(message)
-    limit = js._nc.max_payload
-    if limit and len(payload) > limit - 1024:
-        raise PayloadTooLarge(f"the request is {len(payload)} bytes on the bus; at most {limit - 1024} fit")
-    hdrs = {"Nats-Msg-Id": queue.msg_id(request_id), **(headers or {})}
-    try:
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type((nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                                           nats.errors.ConnectionReconnectingError)),
-            stop=stop_after_attempt(4),
-            wait=wait_random_exponential(multiplier=0.1, max=1.0),
-            reraise=True,
-        ):
-            with attempt:
-                return await js.publish(queue.subject, payload, timeout=timeout_s, headers=hdrs)
-    except Exception as exc:
-        raise ServiceUnavailable(f"could not queue work for {queue.stage}: {exc}") from exc
-    raise AssertionError("unreachable")
+        Raises:
+            NoResponders: nobody serves ``subject``.
+            TimeoutError: no answer within ``timeout_s``.
+        """
 
+    @abc.abstractmethod
+    async def serve(self, subject: str, handler: RequestHandler) -> None:
+        """Answer requests on ``subject`` with ``handler``'s message."""
 
-async def publish_core(nc: NATS, subject: str, message: messages.Message) -> None:
-    """Fire-and-forget publish on core NATS (no persistence, no ack)."""
-    await nc.publish(subject, messages.encode(message))
-
-
-async def subscribe_messages(
-    nc: NATS,
-    subject: str,
-    handler: Callable[[messages.Message], Awaitable[None]],
-    *,
-    queue: str = "",
-    on_poison: Callable[[Exception, bytes], None] | None = None,
-):
-    """Subscribe to a core subject and call ``handler`` with each decoded message. An
-    undecodable payload goes to ``on_poison`` (logged by default); the subscription lives on."""
-
-    async def cb(msg) -> None:
-        try:
-            decoded = messages.decode(msg.data)
-        except Exception as exc:
-            if on_poison:
-                on_poison(exc, msg.data)
-            else:
-                log.warning("poison_message", subject=msg.subject, error=str(exc))
-            return
-        await handler(decoded)
-
-    return await nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=1_000_000,
-                              pending_bytes_limit=1 << 30)
-
-
-async def wait_connected(nc: NATS, timeout_s: float) -> bool:
-    """True once ``nc`` is connected (it may be reconnecting after a broker restart)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not nc.is_connected:
-        if loop.time() > end:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
-async def close(nc: NATS) -> None:
-    """Flush what is buffered (bounded) and close. Subscriptions are not drained: work
-    items still held are nak'ed by their workers before this, or redelivered by JetStream."""
-    try:
-        await asyncio.wait_for(nc.flush(), 1.0)
-    except Exception:
-        pass
-    try:
-        await asyncio.wait_for(nc.close(), 2.0)
-    except Exception:
-        pass
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush what is buffered (bounded) and disconnect."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-from shared import bus
+from shared import nats_bus as bus
 from shared.config import Settings
 from shared.messages import Heartbeat
 from shared.subjects import Protocol

@@ -22,11 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.aio.msg import Msg
 
-from shared import bus
+from shared.bus import Delivery
 from shared.errors import PdError, PoisonMessage
 from shared.logging import request_scope
 from shared.messages import decode_as
@@ -36,9 +33,9 @@ from shared.subjects import WorkQueue
 
 @dataclass(slots=True, eq=False)
 class WorkItem:
-    """One fetched work item and its JetStream delivery."""
+    """One fetched work item and its delivery."""
 
-    msg: Msg
+    delivery: Delivery
     message: msgspec.Struct
     num_delivered: int
     max_deliver: int = 1
@@ -56,17 +53,17 @@ class WorkItem:
     async def ack(self) -> None:
         if not self.done:
             self.done = True
-            await _quiet(self.msg.ack())
+            await _quiet(self.delivery.ack())
 
     async def nak(self, delay_s: float | None = None) -> None:
         if not self.done:
             self.done = True
-            await _quiet(self.msg.nak(delay=delay_s))
+            await _quiet(self.delivery.nak(delay_s))
 
     async def term(self) -> None:
         if not self.done:
             self.done = True
-            await _quiet(self.msg.term())
+            await _quiet(self.delivery.term())
 
 
 async def _quiet(coro) -> None:
@@ -118,7 +115,6 @@ class PullConsumer:
 
     async def run(self) -> None:
         w = self.worker
-        psub = None
         while not w.stopping.is_set():
             n = min(self.capacity(), self.max_batch)
             if n <= 0:
@@ -129,40 +125,23 @@ class PullConsumer:
                     pass
                 continue
             try:
-                if psub is None:
-                    psub = await w.js.pull_subscribe_bind(durable=self.queue.durable, stream=self.queue.stream)
-                msgs = await psub.fetch(n, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
-                # the stream or consumer is gone (a broker restarted without its storage)
-                self.log.warning("consumer_missing", queue=self.queue.stream, error=str(exc))
-                await asyncio.sleep(0.5)
-                try:
-                    await bus.ensure_work_queue(w.js, self.queue, w.settings)
-                except Exception:
-                    pass
-                psub = None
-                continue
+                deliveries = await w.bus.pull(self.queue, n, timeout_s=1.0)
             except Exception as exc:
                 if w.stopping.is_set():
                     break
                 self.log.warning("fetch_failed", queue=self.queue.stream, error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
+            for delivery in deliveries:
                 if w.stopping.is_set():
-                    await _quiet(msg.nak())
+                    await _quiet(delivery.nak())
                     continue
-                self._start(msg)
+                self._start(delivery)
 
-    def _start(self, msg: Msg) -> None:
-        try:
-            delivered = msg.metadata.num_delivered
-            queued_at = msg.metadata.timestamp.timestamp()
-            self.metrics.queue_wait_seconds.observe(max(0.0, time.time() - queued_at))
-        except Exception:
-            delivered = 1
+    def _start(self, msg: Delivery) -> None:
+        delivered = msg.num_delivered
+        if msg.queued_at:
+            self.metrics.queue_wait_seconds.observe(max(0.0, time.time() - msg.queued_at))
         try:
             message = decode_as(msg.data, self.kind)
         except PoisonMessage as exc:
@@ -171,12 +150,12 @@ class PullConsumer:
             self.log.error("poison_message", queue=self.queue.stream, error=str(exc), request_id=request_id)
             asyncio.ensure_future(self._fail_poison(msg, exc, request_id, reply_to))
             return
-        item = WorkItem(msg=msg, message=message, num_delivered=delivered, max_deliver=self.worker.settings.max_deliver)
+        item = WorkItem(delivery=msg, message=message, num_delivered=delivered, max_deliver=self.worker.settings.max_deliver)
         self.in_flight.add(item)
         self.metrics.in_flight.set(len(self.in_flight))
         asyncio.ensure_future(self._run_handler(item))
 
-    async def _fail_poison(self, msg: Msg, exc: Exception, request_id, reply_to) -> None:
+    async def _fail_poison(self, msg: Delivery, exc: Exception, request_id, reply_to) -> None:
         await _quiet(msg.term())
         if isinstance(request_id, str) and isinstance(reply_to, str):
             await self.worker.send_error(reply_to, request_id, exc)
@@ -218,7 +197,7 @@ class PullConsumer:
             now = time.monotonic()
             for item in list(self.in_flight):
                 if not item.done and now - item.fetched_at >= period:
-                    await _quiet(item.msg.in_progress())
+                    await _quiet(item.delivery.in_progress())
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for in-flight items to finish, then nak the rest for another replica."""

@@ -12,7 +12,6 @@ from engine.engine import StepOutput
 from engine.factory import build_engine
 from services.common.engine_loop import EngineLoop
 from services.common.runtime import Worker
-from shared import bus
 from shared.config import parse_cpus
 from shared.kv import block_key, open_store
 from shared.messages import Heartbeat, Progress, RequestMeta
@@ -47,7 +46,7 @@ class ModelWorker(Worker):
                 if hb.stage == "gateway":
                     self.gateways_seen.add(hb.inbox)
 
-        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
+        await self.bus.subscribe(self.protocol.heartbeat, on_heartbeat)
         self.spawn(self._progress_loop(), "progress")
 
     def engine_heartbeat_fields(self) -> dict:

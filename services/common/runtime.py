@@ -17,11 +17,7 @@ import time
 import uuid
 from collections import OrderedDict
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
-from shared import bus
+from shared.bus import Bus, NoResponders
 from shared.config import Settings
 from shared.logging import configure_logging, get_logger
 from shared.messages import (
@@ -33,10 +29,10 @@ from shared.messages import (
     RequestStatus,
     StatusQuery,
     decode_as,
-    encode,
 )
 from shared.metrics import ProbeServer
 from shared.model_files import served_model_name
+from shared.nats_bus import NatsBus
 from shared.tracing import configure_tracing
 
 log = get_logger(__name__)
@@ -74,13 +70,15 @@ class Worker:
     stage: str = "worker"
     drain_timeout_s: float = 20.0
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, bus: Bus | None = None):
+        """``bus`` defaults to a NATS connection made at :meth:`start` (a test passes a
+        :class:`~shared.memory_bus.MemoryBus`)."""
         self.settings = settings
         self.instance_id = settings.instance_id or f"{self.stage}-{uuid.uuid4().hex[:8]}"
         self.protocol = settings.protocol()
         self.model_name = served_model_name(settings)
-        self.nc: NATS | None = None
-        self.js: JetStreamContext | None = None
+        self.bus: Bus | None = bus
+        self._owns_bus = bus is None
         self.aborted = RecentSet()
         self.started_at = time.time()
         self.ready = False
@@ -135,17 +133,17 @@ class Worker:
         if num_delivered <= 1 and meta.created_at >= self.started_at:
             return True
         try:
-            reply = await self.nc.request(self.protocol.gateway_status(meta.reply_to),
-                                          encode(StatusQuery(request_id=meta.request_id)), timeout=1.0)
-            return decode_as(reply.data, RequestStatus).open
-        except nats.errors.NoRespondersError:
+            reply = await self.bus.request(self.protocol.gateway_status(meta.reply_to),
+                                           StatusQuery(request_id=meta.request_id), timeout_s=1.0)
+            return decode_as(reply, RequestStatus).open
+        except NoResponders:
             return False
         except Exception:
             return True
 
     async def publish(self, subject: str, message: Message) -> None:
         try:
-            await bus.publish_core(self.nc, subject, message)
+            await self.bus.publish(subject, message)
         except Exception as exc:  # a lost core message is caught by the gateway's deadlines
             self.log.warning("publish_failed", subject=subject, error=str(exc))
 
@@ -171,7 +169,7 @@ class Worker:
                 metrics_port=self._probe.port if self._probe else 0,
                 **self.heartbeat_fields(),
             )
-            if self.nc is not None and self.nc.is_connected:
+            if self.bus is not None and self.bus.is_connected:
                 await self.publish(subject, hb)
             try:
                 await asyncio.wait_for(self.stopping.wait(), self.settings.heartbeat_interval_s)
@@ -191,12 +189,12 @@ class Worker:
         s = self.settings
         configure_logging(self.stage, self.instance_id, s.log_level, s.log_json)
         configure_tracing(self.stage, s.tracing, s.otel_endpoint)
-        self._probe = ProbeServer(s.metrics_host, s.metrics_port, lambda: self.ready and bool(self.nc and self.nc.is_connected)).start()
+        self._probe = ProbeServer(s.metrics_host, s.metrics_port, lambda: self.ready and bool(self.bus and self.bus.is_connected)).start()
         self.log.info("starting", metrics_port=self._probe.port, nats=s.nats_url, namespace=s.namespace)
-        self.nc = await bus.connect(s, f"pdserve-{self.instance_id}")
-        self.js = self.nc.jetstream()
-        await bus.ensure_all_queues(self.js, self.protocol, s)
-        await bus.subscribe_messages(self.nc, self.protocol.abort, self._on_control)
+        if self.bus is None:
+            self.bus = await NatsBus.connect(s, f"pdserve-{self.instance_id}")
+        await self.bus.ensure_queues(self.protocol.work_queues)
+        await self.bus.subscribe(self.protocol.abort, self._on_control)
         self.spawn(self._heartbeat_loop(), "heartbeat")
         self.spawn(self._outbox_loop(), "outbox")
         await self.setup()
@@ -220,8 +218,8 @@ class Worker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.nc is not None:
-            await bus.close(self.nc)
+        if self.bus is not None and self._owns_bus:
+            await self.bus.close()
         if self._probe:
             self._probe.stop()
         self.log.info("stopped")

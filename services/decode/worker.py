@@ -14,9 +14,10 @@ Life cycle of a request here:
    there (``PD_KV_FAILURE_POLICY=recompute``) or a clean error (``fail``);
 4. admit it into the continuous batch; delete the tail from the store (nothing
    request-scoped stays staged once decode holds the KV);
-5. every step, send the new token to the request's postfilter instance (core NATS); if that
-   instance dies, re-send the whole output so far to a live one (the gateway drops text it
-   already delivered);
+5. every step, send the new token to the request's postfilter instance (core NATS) through
+   the request's :class:`shared.streams.StreamSender`, which keeps what was sent to answer
+   the postfilter's resend requests; if that instance dies, replay the whole output so far to
+   a live one (the gateway drops text it already delivered);
 6. when the request finishes (EOS, stop token, max_tokens, context end) ack the DecodeTask.
    The task stays unacked — and marked in progress — while the request runs, so if this
    worker dies JetStream redelivers it within ``ack_wait`` to another decode worker.
@@ -31,13 +32,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import nats.errors
-
 from engine.engine import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main
-from shared import bus
 from shared.errors import EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import block_key
 from shared.messages import (
@@ -49,8 +47,8 @@ from shared.messages import (
     TokenChunk,
     TokenResend,
     decode_as,
-    encode,
 )
+from shared.streams import Piece, SentStreams, StreamSender
 from shared.timeline import now_mark
 from shared.tracing import span, start_span
 
@@ -58,26 +56,20 @@ from shared.tracing import span, start_span
 RESUME_TIMEOUT_S = 1.0
 
 
+#: Finished token streams kept: a postfilter that missed the end, or died before delivering
+#: it, can still get it.
+MAX_FINISHED_STREAMS = 4096
+
+
 @dataclass(slots=True, eq=False)
 class ActiveRequest:
     task: DecodeTask
     done: asyncio.Future
-    postfilter: str
+    postfilter: str  # its postfilter's inbox until the stream opens; then ``stream.target``
     started_at: float = field(default_factory=time.monotonic)
     seq: object = None  # the engine's Sequence once admitted (read-only here)
+    stream: StreamSender | None = None  # its token stream, once admitted
     marks: list = field(default_factory=list)  # the request's timeline, with this worker's marks
-
-
-@dataclass(slots=True, eq=False)
-class FinishedRequest:
-    """A request this worker finished, kept a while: its token stream went over core NATS, so
-    a postfilter that missed the end, or died before delivering it, can still get it."""
-
-    task: DecodeTask
-    output_token_ids: list[int]
-    finish_reason: str | None
-    postfilter: str
-    finished_at: float = field(default_factory=time.monotonic)
 
 
 class DecodeWorker(ModelWorker):
@@ -86,11 +78,12 @@ class DecodeWorker(ModelWorker):
     async def setup(self) -> None:
         await super().setup()
         self.active: dict[str, ActiveRequest] = {}
-        self.recently_finished: dict[str, FinishedRequest] = {}
+        # token streams: running ones, and finished ones kept for resends and replays
+        self.streams = SentStreams(MAX_FINISHED_STREAMS, finished_ttl_s=float("inf"))
 
     async def serve(self) -> None:
         await super().serve()
-        await bus.subscribe_messages(self.nc, self.protocol.decode_control(self.instance_id), self._on_control_message)
+        await self.bus.subscribe(self.protocol.decode_control(self.instance_id), self._on_control_message)
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
@@ -126,7 +119,8 @@ class DecodeWorker(ModelWorker):
             if out.finished:
                 req.marks.append(now_mark("decode.last_token"))
                 marks = req.marks
-            self.post(req.postfilter, TokenChunk(
+            req.stream.push(out.new_token_ids, out.finish_reason)
+            self.post(req.stream.target, TokenChunk(
                 request_id=out.request_id,
                 index=out.index,
                 token_ids=out.new_token_ids,
@@ -138,12 +132,7 @@ class DecodeWorker(ModelWorker):
             ))
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)
-                # kept a while: a postfilter that missed the last tokens can ask for them
-                self.recently_finished.pop(out.request_id, None)  # kept in order of finishing
-                self.recently_finished[out.request_id] = FinishedRequest(
-                    req.task, list(out.seq.output_token_ids), out.finish_reason, req.postfilter)
-                while len(self.recently_finished) > 4096:
-                    self.recently_finished.pop(next(iter(self.recently_finished)))
+                self.streams.finish(out.request_id, time.monotonic())
 
     def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
         for rid in request_ids:
@@ -162,19 +151,12 @@ class DecodeWorker(ModelWorker):
         """A postfilter missed tokens of a request this worker streams: send them again."""
         if not isinstance(message, TokenResend):
             return
-        rid = message.request_id
-        req = self.active.get(rid)
-        if req is not None and req.seq is not None:
-            tokens, finish, postfilter = list(req.seq.output_token_ids), None, req.postfilter
-        elif rid in self.recently_finished:
-            done = self.recently_finished[rid]
-            tokens, finish, postfilter = done.output_token_ids, done.finish_reason, done.postfilter
-        else:
-            return
-        if message.from_index < len(tokens) or (finish is not None and message.from_index == len(tokens)):
-            self.post(postfilter, TokenChunk(request_id=rid, index=message.from_index,
-                                             token_ids=tokens[message.from_index:], finish_reason=finish,
-                                             worker=self.instance_id))
+        stream = self.streams.get(message.request_id)
+        piece = stream.resend(message.from_index) if stream is not None else None
+        if piece is not None:
+            self.post(stream.target, TokenChunk(request_id=message.request_id, index=piece.index,
+                                                token_ids=piece.items, finish_reason=piece.finish_reason,
+                                                worker=self.instance_id))
 
     # --- peers ------------------------------------------------------------------------------
     def _postfilter_alive(self, inbox: str) -> bool:
@@ -186,13 +168,13 @@ class DecodeWorker(ModelWorker):
             raise ServiceUnavailable("no postfilter worker is alive")
         return inbox
 
-    def _replay(self, req: ActiveRequest | FinishedRequest, rid: str, output_token_ids: list[int],
-                finish_reason: str | None = None) -> None:
+    def _replay(self, rid: str, stream: StreamSender, postfilter: str) -> None:
         """Send a request's whole output so far to its (new) postfilter, from index 0."""
-        task = req.task
+        piece: Piece = stream.replay(postfilter)
+        task: DecodeTask = stream.context
         spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
-        self.post(req.postfilter, TokenChunk(request_id=rid, index=0, token_ids=list(output_token_ids), spec=spec,
-                                             finish_reason=finish_reason, worker=self.instance_id, replay=True))
+        self.post(postfilter, TokenChunk(request_id=rid, index=0, token_ids=list(piece.items), spec=spec,
+                                         finish_reason=piece.finish_reason, worker=self.instance_id, replay=True))
 
     async def _watch_peers(self) -> None:
         """Re-route streams whose postfilter died; drop requests whose gateway died."""
@@ -208,29 +190,24 @@ class DecodeWorker(ModelWorker):
                     self.log.warning("gateway_gone", request_id=rid)
                     await self.on_abort(Abort(request_id=rid, reason="gateway_gone"))
                     continue
-                if not self._postfilter_alive(req.postfilter):
-                    try:
-                        req.postfilter = self._new_postfilter(rid)
-                    except ServiceUnavailable:
-                        continue  # none alive now; the gateway's stall timeout bounds the wait
-                    self.log.warning("postfilter_rerouted", request_id=rid, to=req.postfilter)
-                    self._replay(req, rid, list(req.seq.output_token_ids))
+                self._reroute_if_orphaned(rid, req.stream)
             # finished here, but the postfilter died before it could deliver the end: a death
             # is noticed within heartbeat_timeout_s, so that is how long this matters
             horizon = time.monotonic() - 2 * self.settings.heartbeat_timeout_s - period
-            for rid, done in reversed(list(self.recently_finished.items())):  # newest first
-                if done.finished_at < horizon:
-                    break
-                if self._postfilter_alive(done.postfilter):
-                    continue
-                if done.task.meta.reply_to not in gateways:
-                    continue
-                try:
-                    done.postfilter = self._new_postfilter(rid)
-                except ServiceUnavailable:
-                    continue
-                self.log.warning("postfilter_rerouted", request_id=rid, to=done.postfilter, finished=True)
-                self._replay(done, rid, done.output_token_ids, done.finish_reason)
+            for rid, stream in list(self.streams.finished_since(horizon)):
+                if stream.context.meta.reply_to in gateways:
+                    self._reroute_if_orphaned(rid, stream)
+
+    def _reroute_if_orphaned(self, rid: str, stream: StreamSender) -> None:
+        """If the stream's postfilter died, replay the stream to a live one."""
+        if self._postfilter_alive(stream.target):
+            return
+        try:
+            postfilter = self._new_postfilter(rid)
+        except ServiceUnavailable:
+            return  # none alive now; the gateway's stall timeout bounds the wait
+        self.log.warning("postfilter_rerouted", request_id=rid, to=postfilter, finished=stream.is_finished)
+        self._replay(rid, stream, postfilter)
 
     async def _resume_point(self, req: ActiveRequest, rid: str) -> tuple[list[int], bool, bool]:
         """For a redelivered task: (output tokens to continue after, whether the stream must be
@@ -238,17 +215,17 @@ class DecodeWorker(ModelWorker):
         task = req.task
         if self._postfilter_alive(req.postfilter):
             try:
-                reply = await self.nc.request(self.protocol.postfilter_resume(req.postfilter),
-                                              encode(ResumeQuery(request_id=rid, worker=self.instance_id)),
-                                              timeout=RESUME_TIMEOUT_S)
-                state = decode_as(reply.data, ResumeState)
+                reply = await self.bus.request(self.protocol.postfilter_resume(req.postfilter),
+                                               ResumeQuery(request_id=rid, worker=self.instance_id),
+                                               timeout_s=RESUME_TIMEOUT_S)
+                state = decode_as(reply, ResumeState)
                 if state.finished:
                     return [], False, True
                 if state.known and len(state.output_token_ids) > len(task.output_token_ids):
                     self.log.info("resumed", request_id=rid, num_tokens=len(state.output_token_ids))
                     return list(state.output_token_ids), False, False
                 return list(task.output_token_ids), not state.known, False
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, Exception) as exc:
+            except Exception as exc:  # no answer, nobody there, a garbled answer
                 self.log.warning("resume_query_failed", request_id=rid, error=str(exc))
         req.postfilter = self._new_postfilter(rid)
         return list(task.output_token_ids), True, False
@@ -317,13 +294,16 @@ class DecodeWorker(ModelWorker):
             hashes = handle.block_hashes if handle else task.block_hashes
             if handle is None and hashes:
                 await self.import_store_hits(rid, hashes, len(task.prompt_token_ids))
+            # opened before admission: the engine's first output may reach _on_outputs before
+            # this coroutine resumes
+            req.stream = self.streams.open(rid, req.postfilter, items=output_ids, context=task)
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
                 rid, task.prompt_token_ids, output_ids, task.sampling, hashes, blocks, tail,
                 cache_salt=meta.cache_salt))
             req.marks.append(now_mark("decode.kv_loaded" if handle is not None else "decode.admitted"))
             await self._drop_tail(task)
             if replay:
-                self._replay(req, rid, output_ids)
+                self._replay(rid, req.stream, req.postfilter)
             if req.done.done():  # aborted while its KV was loading
                 await self.engine_loop.call(lambda e: e.abort(rid))
             reason = await req.done
@@ -335,6 +315,7 @@ class DecodeWorker(ModelWorker):
             return "aborted" if reason == "abort" else "ok"
         finally:
             decode_span.end()
+            self.streams.drop(rid)  # unless it finished (then it is kept a while)
             self.active.pop(rid, None)
             self.waiting_first_token.pop(rid, None)
             self.consumer.notify_room()

@@ -12,9 +12,8 @@ import asyncio
 import time
 import uuid
 
-from nats.aio.client import Client as NATS
-
-from shared import bus, messages
+from shared import messages
+from shared.bus import Bus
 from shared.config import Settings
 from shared.errors import PoisonMessage, ServiceUnavailable
 from shared.logging import get_logger
@@ -30,27 +29,34 @@ PIPELINE_STAGES = ("tokenizer", "prefill", "decode", "postfilter")
 
 
 class PipelineClient:
-    """NATS connection, inbox routing and the worker registry of one gateway."""
+    """Bus connection, inbox routing and the worker registry of one gateway.
 
-    def __init__(self, settings: Settings):
+    Args:
+        settings: the gateway's settings.
+        bus: the bus; defaults to a NATS connection made at :meth:`start`.
+    """
+
+    def __init__(self, settings: Settings, bus: Bus | None = None):
         self.settings = settings
         self.protocol = settings.protocol()
         self.instance_id = settings.instance_id or f"gateway-{uuid.uuid4().hex[:8]}"
         self.inbox = self.protocol.gateway_inbox(self.instance_id)
         self.registry = WorkerRegistry(settings.heartbeat_timeout_s)
-        self.nc: NATS | None = None
-        self.js = None
+        self.bus: Bus | None = bus
+        self._owns_bus = bus is None
         self._routes: dict[str, asyncio.Queue] = {}
         self.backlog: dict[str, int] = {}
         self.missing_since: dict[str, float] = {}
 
     async def start(self) -> None:
-        self.nc = await bus.connect(self.settings, f"pdserve-{self.instance_id}")
-        self.js = self.nc.jetstream()
-        await bus.ensure_all_queues(self.js, self.protocol, self.settings)
-        await bus.subscribe_messages(self.nc, self.inbox, self._on_event)
-        await self.nc.subscribe(self.protocol.gateway_status(self.inbox), cb=self._on_status)
-        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, self._on_heartbeat)
+        if self.bus is None:
+            from shared.nats_bus import NatsBus
+
+            self.bus = await NatsBus.connect(self.settings, f"pdserve-{self.instance_id}")
+        await self.bus.ensure_queues(self.protocol.work_queues)
+        await self.bus.subscribe(self.inbox, self._on_event)
+        await self.bus.serve(self.protocol.gateway_status(self.inbox), self._on_status)
+        await self.bus.subscribe(self.protocol.heartbeat, self._on_heartbeat)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         self._watch_task = asyncio.create_task(self._watch_loop())
 
@@ -65,14 +71,14 @@ class PipelineClient:
                     self.missing_since.pop(stage, None)
                 else:
                     self.missing_since.setdefault(stage, now)
-            if self.js is not None and self.is_connected:
+            if self.is_connected:
                 for queue in self.protocol.work_queues:
                     try:
-                        info = await self.js.consumer_info(queue.stream, queue.durable, timeout=1.0)
-                        self.backlog[queue.stage] = info.num_pending or 0
-                        backlog_gauge.labels(queue.stage).set(info.num_pending or 0)
+                        depth = await self.bus.queue_depth(queue)
                     except Exception:
-                        pass
+                        continue
+                    self.backlog[queue.stage] = depth
+                    backlog_gauge.labels(queue.stage).set(depth)
             await asyncio.sleep(1.0)
 
     @property
@@ -89,41 +95,39 @@ class PipelineClient:
         """The gateway announces itself too (``pdserve status``, dashboards)."""
         subject = self.protocol.heartbeat_of("gateway")
         while True:
-            if self.nc is not None and self.nc.is_connected:
+            if self.is_connected:
                 hb = Heartbeat(stage="gateway", instance_id=self.instance_id, model=served_model_name(self.settings),
                                sent_at=time.time(), inbox=self.inbox, num_running=len(self._routes),
                                metrics_port=self.settings.gateway_port)
                 try:
-                    await bus.publish_core(self.nc, subject, hb)
+                    await self.bus.publish(subject, hb)
                 except Exception:
                     pass
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def stop(self) -> None:
         """Abort whatever is still open (its clients are gone with this gateway), then close."""
-        if self.nc is not None and self.nc.is_connected:
+        if self.is_connected:
             for rid in list(self._routes):
                 await self.abort(rid, "gateway_shutdown")
         for task in (getattr(self, "_heartbeat_task", None), getattr(self, "_watch_task", None)):
             if task is not None:
                 task.cancel()
-        if self.nc is not None:
-            await bus.close(self.nc)
+        if self.bus is not None and self._owns_bus:
+            await self.bus.close()
 
     async def _on_event(self, message: Message) -> None:
         queue = self._routes.get(getattr(message, "request_id", ""))
         if queue is not None:
             queue.put_nowait(message)
 
-    async def _on_status(self, msg) -> None:
+    async def _on_status(self, data: bytes) -> RequestStatus | None:
         """A worker asks whether a request is still wanted (before redelivered work)."""
         try:
-            query = messages.decode_as(msg.data, StatusQuery)
+            query = messages.decode_as(data, StatusQuery)
         except PoisonMessage:
-            return
-        if msg.reply:
-            status = RequestStatus(request_id=query.request_id, open=query.request_id in self._routes)
-            await self.nc.publish(msg.reply, messages.encode(status))
+            return None
+        return RequestStatus(request_id=query.request_id, open=query.request_id in self._routes)
 
     async def _on_heartbeat(self, message: Message) -> None:
         if isinstance(message, Heartbeat):
@@ -145,7 +149,7 @@ class PipelineClient:
 
     @property
     def is_connected(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
+        return self.bus is not None and self.bus.is_connected
 
     def check_ready(self) -> None:
         """Raises ServiceUnavailable naming what is missing."""
@@ -168,12 +172,12 @@ class PipelineClient:
         Raises:
             ServiceUnavailable: JetStream did not take it.
         """
-        await bus.publish_task(self.js, self.protocol.entry, task, task.meta.request_id)
+        await self.bus.publish_work(self.protocol.entry, task, task.meta.request_id)
 
     async def resend_text(self, source: str, request_id: str, from_offset: int) -> None:
         """Ask the postfilter at ``source`` for a request's text from ``from_offset`` on."""
         try:
-            await bus.publish_core(self.nc, self.protocol.postfilter_control(source),
+            await self.bus.publish(self.protocol.postfilter_control(source),
                                    TextResend(request_id=request_id, from_offset=from_offset))
         except Exception as exc:
             log.warning("resend_publish_failed", request_id=request_id, error=str(exc))
@@ -181,6 +185,6 @@ class PipelineClient:
     async def abort(self, request_id: str, reason: str) -> None:
         """Tell every stage to drop ``request_id`` (best effort)."""
         try:
-            await bus.publish_core(self.nc, self.protocol.abort, Abort(request_id=request_id, reason=reason))
+            await self.bus.publish(self.protocol.abort, Abort(request_id=request_id, reason=reason))
         except Exception as exc:
             log.warning("abort_publish_failed", request_id=request_id, error=str(exc))

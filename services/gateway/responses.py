@@ -134,7 +134,7 @@ class Responses:
                     "logprobs": chat_logprobs(d.logprobs) if self.want_logprobs and d.logprobs else None,
                     "finish_reason": d.finish_reason}
         else:
-            start = d.choice.sent_chars - len(d.text)
+            start = d.text_offset
             echo = len(self.echo_texts[d.choice.prompt_index]) if self.echo_texts else 0
             item = {"index": d.choice.index, "text": d.text,
                     "logprobs": completion_logprobs(d.logprobs, echo + start) if self.want_logprobs and d.logprobs else None,

@@ -6,6 +6,10 @@ request per choice, each with its own id ``<id>-<k>``; their events are merged h
 wait is bounded: by the request's deadline (``PD_REQUEST_TIMEOUT_S``) and by the longest
 silence allowed between two events of a request (``PD_STALL_TIMEOUT_S``); past either, the
 request fails with a timeout and every stage is told to drop it.
+
+Each choice's text arrives through a :class:`shared.streams.StreamReceiver` (``TEXT_POLICY``):
+it orders chunks by character offset, drops text already shown (a resend after a failover),
+asks the postfilter for lost text, and fails the request when a hole never closes.
 """
 
 from __future__ import annotations
@@ -18,11 +22,8 @@ from dataclasses import dataclass, field
 from services.gateway.pipeline import PipelineClient
 from shared.errors import Aborted, DeadlineExceeded, PdError
 from shared.messages import Accepted, ErrorEvent, OutputLogprob, TextChunk, TokenizeTask, Usage
+from shared.streams import TEXT_POLICY, Ready, StreamGap, StreamReceiver
 
-#: Seconds a text gap may stay open (resends asked for) before the request fails.
-GAP_TIMEOUT_S = 5.0
-#: Seconds of silence after the first token before the gateway asks for a resend.
-QUIET_RESEND_S = 3.0
 #: Abort tasks in flight (a reference keeps them from being garbage-collected mid-way).
 _background: set[asyncio.Task] = set()
 
@@ -44,17 +45,20 @@ class Choice:
     prompt_index: int
     task: TokenizeTask
     num_prompt_tokens: int = 0
-    sent_chars: int = 0
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[OutputLogprob] = field(default_factory=list)
     accepted: bool = False
-    source: str = ""
-    gap_since: float = 0.0
-    resend_asked_at: float = 0.0
     marks: list = field(default_factory=list)
+    stream: StreamReceiver = field(
+        default_factory=lambda: StreamReceiver(TEXT_POLICY, time.monotonic(), unit="character"))
+
+    @property
+    def sent_chars(self) -> int:
+        """Characters of text delivered so far."""
+        return self.stream.next_index
 
     @property
     def request_id(self) -> str:
@@ -67,12 +71,14 @@ class Choice:
 
 @dataclass(slots=True)
 class Delta:
-    """New output of one choice: text (may be empty on the final delta), and finish."""
+    """New output of one choice: text (may be empty on the final delta) starting at character
+    ``text_offset`` of the choice's output, and finish."""
 
     choice: Choice
     text: str
     finish_reason: str | None
     logprobs: list[OutputLogprob]
+    text_offset: int = 0
 
 
 class RequestRun:
@@ -88,11 +94,22 @@ class RequestRun:
         tick_s: period of the idle callback while waiting.
         on_tick: coroutine function called every ``tick_s`` of silence; it may raise (a
             client that went away raises Aborted).
+        tenant: the API key it is charged to; reserved_tokens: its rate-limit reservation.
+        timeline, span: its timeline (``/debug/timeline``) and trace span, ended by the gateway.
+
+    Use it as ``async with run:`` — entering registers every choice's event route and submits
+    its task; leaving unregisters them and aborts the unfinished ones at every stage.
     """
 
     def __init__(self, client: PipelineClient, choices: list[Choice], deadline_at: float, stall_timeout_s: float,
-                 tick_s: float = 1.0, on_tick=None, first_token_timeout_s: float | None = None):
+                 tick_s: float = 1.0, on_tick=None, first_token_timeout_s: float | None = None, *,
+                 tenant: str = "", reserved_tokens: int = 0, timeline=None, span=None):
         self.client = client
+        self.tenant = tenant
+        self.reserved_tokens = reserved_tokens
+        self.timeline = timeline
+        self.span = span
+        self.last_token_at: float | None = None  # monotonic: the last text delivered (for ITL)
         self.first_token_timeout_s = first_token_timeout_s or stall_timeout_s
         self.tick_s = tick_s
         self._on_tick = on_tick
@@ -135,17 +152,24 @@ class RequestRun:
     async def on_tick(self) -> None:
         if self._on_tick is not None:
             await self._on_tick()
-        if self.first_token_at is not None and time.monotonic() - self._last_event_at > QUIET_RESEND_S:
-            for c in self.choices:
-                if not c.finished:
-                    self._ask_resend(c)  # the end of the stream may have been lost
+        for c in self.choices:
+            if not c.finished:
+                self._repair(c)  # a hole in its text, or a quiet stream whose end may be lost
 
-    def _ask_resend(self, choice: Choice) -> None:
-        now = time.monotonic()
-        if choice.source and now - choice.resend_asked_at > 1.0:
-            choice.resend_asked_at = now
+    def _repair(self, choice: Choice) -> None:
+        """Ask the choice's postfilter for lost text, if its stream says so.
+
+        Raises:
+            PipelineError: a hole in the text never closed (502 ``stream_gap``).
+        """
+        try:
+            resend = choice.stream.poll(time.monotonic())
+        except StreamGap as exc:
+            raise PipelineError(ErrorEvent(request_id=choice.request_id, status=502, code="stream_gap",
+                                           message=f"text was lost in transit: {exc}")) from None
+        if resend is not None:
             task = asyncio.get_running_loop().create_task(
-                self.client.resend_text(choice.source, choice.request_id, choice.sent_chars))
+                self.client.resend_text(resend.source, choice.request_id, resend.from_index))
             _background.add(task)
             task.add_done_callback(_background.discard)
 
@@ -197,49 +221,52 @@ class RequestRun:
             return False
         return event.finish_reason is not None or event.text_offset + len(event.text) > choice.sent_chars
 
-    def _apply(self, event) -> Delta | None:
+    def _apply(self, event) -> list[Delta]:
+        """The new output an event brings (text chunks wait for the ones before them).
+
+        Raises:
+            PipelineError: an ErrorEvent, or a hole in the text that never closed.
+        """
         choice = self.by_id.get(event.request_id)
         if choice is None:
-            return None
+            return []
         if isinstance(event, ErrorEvent):
             raise PipelineError(event)
         if isinstance(event, Accepted):
             choice.accepted = True
             choice.num_prompt_tokens = event.num_prompt_tokens
-            return None
-        if isinstance(event, TextChunk) and not choice.finished:
-            choice.accepted = True  # text implies the prompt was accepted (its Accepted may be lost)
-            if event.source:
-                choice.source = event.source
-            if event.text_offset > choice.sent_chars:
-                # text in between never arrived: ask for it again, never show a stream with a hole
-                now = time.monotonic()
-                choice.gap_since = choice.gap_since or now
-                if now - choice.gap_since > GAP_TIMEOUT_S:
-                    raise PipelineError(ErrorEvent(request_id=event.request_id, status=502, code="stream_gap",
-                                                   message=f"text from character {choice.sent_chars} to "
-                                                           f"{event.text_offset} was lost in transit"))
-                self._ask_resend(choice)
-                return None
-            choice.gap_since = 0.0
-            # drop what was already delivered (a chunk re-sent after a failover)
-            skip = max(0, choice.sent_chars - event.text_offset)
-            text = event.text[skip:]
-            choice.sent_chars += len(text)
-            choice.text.append(text)
-            choice.num_tokens = max(choice.num_tokens, event.num_tokens)
-            new_logprobs: list[OutputLogprob] = []
-            if event.logprobs:
-                # entries cover output tokens num_tokens - len .. num_tokens - 1: skip known ones
-                first = event.num_tokens - len(event.logprobs)
-                new_logprobs = list(event.logprobs[max(0, len(choice.logprobs) - first):])
-                choice.logprobs.extend(new_logprobs)
-            if event.finish_reason is not None:
-                choice.finish_reason = event.finish_reason
-                choice.usage = event.usage
-                choice.marks = list(event.marks)
-            return Delta(choice, text, event.finish_reason, new_logprobs)
-        return None
+            return []
+        if not isinstance(event, TextChunk) or choice.finished:
+            return []
+        choice.accepted = True  # text implies the prompt was accepted (its Accepted may be lost)
+        choice.stream.claim(event.source)  # the postfilter to ask for lost text
+        try:
+            ready = choice.stream.offer(event, event.text_offset, len(event.text), event.finish_reason is not None,
+                                        time.monotonic())
+        except StreamGap as exc:
+            raise PipelineError(ErrorEvent(request_id=event.request_id, status=502, code="stream_gap",
+                                           message=f"text was lost in transit: {exc}")) from None
+        if choice.stream.gap_since:
+            self._repair(choice)  # text in between never arrived: ask for it, never show a hole
+        return [self._delta(choice, r) for r in ready]
+
+    @staticmethod
+    def _delta(choice: Choice, ready: Ready) -> Delta:
+        event: TextChunk = ready.payload
+        text = event.text[ready.skip:]  # without what was already delivered (a resend)
+        choice.text.append(text)
+        choice.num_tokens = max(choice.num_tokens, event.num_tokens)
+        new_logprobs: list[OutputLogprob] = []
+        if event.logprobs:
+            # entries cover output tokens num_tokens - len .. num_tokens - 1: skip known ones
+            first = event.num_tokens - len(event.logprobs)
+            new_logprobs = list(event.logprobs[max(0, len(choice.logprobs) - first):])
+            choice.logprobs.extend(new_logprobs)
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason
+            choice.usage = event.usage
+            choice.marks = list(event.marks)
+        return Delta(choice, text, event.finish_reason, new_logprobs, event.text_offset + ready.skip)
 
     async def wait_accepted(self) -> None:
         """Until every choice is accepted by the tokenizer (its prompt is valid).
@@ -280,6 +307,5 @@ class RequestRun:
             if event is None:
                 yield None
                 continue
-            delta = self._apply(event)
-            if delta is not None:
+            for delta in self._apply(event):
                 yield delta

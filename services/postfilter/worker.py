@@ -9,7 +9,9 @@ publisher per phase, one subscriber). Several replicas therefore each hold whole
 nothing is shared between them. Chunks carry their output index: a chunk re-sent after a
 failover is de-duplicated, chunks that arrive early (the first token comes from prefill, the
 rest from decode: two publishers) wait for the ones before them, and a gap that does not
-close within ``GAP_TIMEOUT_S`` fails the request cleanly.
+close fails the request cleanly — all of that is :class:`shared.streams.StreamReceiver`'s
+job (``TOKEN_POLICY``); the text sent on is kept by a :class:`shared.streams.StreamSender`
+to answer a gateway's resend.
 
 Life cycle of a request here:
 
@@ -30,7 +32,6 @@ from dataclasses import dataclass, field
 from services.common.runtime import RecentSet, Worker, main
 from services.plugins.api import TextFilter, load_class, refs
 from services.postfilter.text import Detokenizer, StopMatcher, TokenText
-from shared import bus
 from shared.errors import PoisonMessage
 from shared.messages import (
     Abort,
@@ -47,40 +48,29 @@ from shared.messages import (
     TopLogprob,
     Usage,
     decode_as,
-    encode,
 )
 from shared.metrics import stage_metrics
 from shared.model_files import load_tokenizer, model_folder
+from shared.streams import TOKEN_POLICY, Ready, SentStreams, StreamGap, StreamReceiver, StreamSender
 from shared.timeline import now_mark
 from shared.tracing import start_span
 
-#: Chunks held while waiting for an earlier one, per request, before the request fails.
-MAX_OUT_OF_ORDER = 256
-#: Seconds a missing chunk may be late before the request fails.
-GAP_TIMEOUT_S = 5.0
-#: Seconds chunks that arrived before their request's first chunk are kept.
-EARLY_TIMEOUT_S = 30.0
 #: Finished requests kept (their text) for a gateway that missed some of it.
 MAX_DONE_STATES = 4096
 DONE_STATE_TTL_S = 120.0
-#: Seconds without a chunk before the owner of a running stream is asked for a resend.
-QUIET_RESEND_S = 3.0
 
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    spec: StreamSpec
-    detok: Detokenizer
-    stop: StopMatcher
-    next_index: int = 0
-    text_offset: int = 0
-    opened_at: float = 0.0
-    pending: dict[int, TokenChunk] = field(default_factory=dict)
-    gap_since: float = 0.0
-    owner: str = ""
-    last_chunk_at: float = field(default_factory=time.monotonic)
-    emitted: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
+    """One request's detokenizer state; ``spec`` is None until its first chunk (index 0)
+    arrives — chunks that overtook it wait in ``tokens``."""
+
+    tokens: StreamReceiver
+    spec: StreamSpec | None = None
+    text: StreamSender | None = None
+    detok: Detokenizer | None = None
+    stop: StopMatcher | None = None
+    num_tokens: int = 0
     usage: Usage | None = None
     span: object = None
     filters: list = field(default_factory=list)
@@ -101,48 +91,44 @@ class PostfilterWorker(Worker):
                 raise SystemExit(f"{ref} is not a TextFilter")
             self.text_filters.append(cls(self.settings))
         self.states: dict[str, RequestState] = {}
-        self.done_states: dict[str, tuple[RequestState, float]] = {}
-        self.early: dict[str, dict[int, TokenChunk]] = {}
-        self.early_at: dict[str, float] = {}
+        self.texts = SentStreams(MAX_DONE_STATES, DONE_STATE_TTL_S)
         self.finished = RecentSet(ttl_s=600.0)
         self.inbox = self.protocol.postfilter_inbox(self.instance_id)
         self.metrics = stage_metrics(self.stage)
 
     async def serve(self) -> None:
-        await bus.subscribe_messages(self.nc, self.inbox, self._on_message)
-        await self.nc.subscribe(self.protocol.postfilter_resume(self.inbox), cb=self._on_resume)
-        await bus.subscribe_messages(self.nc, self.protocol.postfilter_control(self.inbox), self._on_control_message)
+        await self.bus.subscribe(self.inbox, self._on_message)
+        await self.bus.serve(self.protocol.postfilter_resume(self.inbox), self._on_resume)
+        await self.bus.subscribe(self.protocol.postfilter_control(self.inbox), self._on_control_message)
         self.spawn(self._expire_loop(), "expire")
 
     async def _on_control_message(self, message) -> None:
         """A gateway missed text (a broker restart lost it): send it again from its offset."""
         if not isinstance(message, TextResend):
             return
-        rid = message.request_id
-        st = self.states.get(rid) or self.done_states.get(rid, (None, 0.0))[0]
-        if st is None:
-            return
-        text = "".join(st.emitted)[message.from_offset:]
-        self.post(st.spec.reply_to, TextChunk(
-            request_id=rid, text=text, text_offset=message.from_offset, num_tokens=st.next_index,
-            finish_reason=st.finish_reason, usage=st.usage, source=self.inbox,
-        ))
+        sender = self.texts.get(message.request_id)
+        piece = sender.resend(message.from_offset) if sender is not None else None
+        if piece is not None:
+            st: RequestState = sender.context
+            self.post(sender.target, TextChunk(
+                request_id=message.request_id, text=piece.items, text_offset=piece.index, num_tokens=st.num_tokens,
+                finish_reason=piece.finish_reason, usage=st.usage, source=self.inbox,
+            ))
 
-    async def _on_resume(self, msg) -> None:
+    async def _on_resume(self, data: bytes) -> ResumeState | None:
         """A decode worker took over one of our requests: tell it which tokens we have."""
         try:
-            query = decode_as(msg.data, ResumeQuery)
+            query = decode_as(data, ResumeQuery)
         except PoisonMessage:
-            return
+            return None
         rid = query.request_id
         st = self.states.get(rid)
-        if st is not None:
+        if st is not None and st.spec is not None:
             self._hand_over(rid, st, query.worker)
             state = ResumeState(request_id=rid, output_token_ids=list(st.detok.token_ids), known=True)
         else:
             state = ResumeState(request_id=rid, known=rid in self.finished, finished=rid in self.finished)
-        if msg.reply:
-            await self.nc.publish(msg.reply, encode(state))
+        return state
 
     def heartbeat_fields(self) -> dict:
         return {"inbox": getattr(self, "inbox", ""), "num_running": len(getattr(self, "states", {}))}
@@ -152,29 +138,29 @@ class PostfilterWorker(Worker):
             self.finished.add(abort.request_id)
 
     async def _expire_loop(self) -> None:
-        """Forget requests whose deadline has passed (their gateway has given up on them)."""
+        """Once a second: forget requests past their deadline (their gateway has given up),
+        and repair stalled token streams (ask their decode worker to resend, or fail them)."""
         while True:
             await asyncio.sleep(1.0)
-            now = time.time()
-            for rid in [r for r, st in self.states.items() if st.spec.deadline_at and now > st.spec.deadline_at + 5]:
-                self.states.pop(rid, None)
-                self.finished.add(rid)
-            mono = time.monotonic()
+            now, mono = time.time(), time.monotonic()
             for rid, st in list(self.states.items()):
-                if st.gap_since and mono - st.gap_since > GAP_TIMEOUT_S:
-                    self._fail(rid, st, f"token stream gap: token {st.next_index} never arrived")
-                elif st.owner and ((st.gap_since and mono - st.gap_since > 1.0)
-                                   or mono - st.last_chunk_at > QUIET_RESEND_S):
-                    # tokens are missing (a gap), or the stream went quiet (its end may be lost):
-                    # ask the decode worker that owns it to send again from what we have
-                    st.last_chunk_at = mono
-                    self.post(self.protocol.decode_control(st.owner),
-                              TokenResend(request_id=rid, from_index=st.next_index))
-            for rid in [r for r, (_, at) in self.done_states.items() if mono - at > DONE_STATE_TTL_S]:
-                self.done_states.pop(rid, None)
-            for rid in [r for r, at in self.early_at.items() if mono - at > EARLY_TIMEOUT_S]:
-                self.early.pop(rid, None)
-                self.early_at.pop(rid, None)
+                if st.spec is None:
+                    if st.tokens.is_stale(mono):  # its first chunk never came
+                        self.states.pop(rid, None)
+                    continue
+                if st.spec.deadline_at and now > st.spec.deadline_at + 5:
+                    self.states.pop(rid, None)
+                    self.finished.add(rid)
+                    continue
+                try:
+                    resend = st.tokens.poll(mono)
+                except StreamGap as exc:
+                    self._fail(rid, st, f"token stream gap: {exc}")
+                    continue
+                if resend is not None:
+                    self.post(self.protocol.decode_control(resend.source),
+                              TokenResend(request_id=rid, from_index=resend.from_index))
+            self.texts.expire(mono)
 
     async def _on_message(self, message) -> None:
         if isinstance(message, TokenChunk):
@@ -183,62 +169,53 @@ class PostfilterWorker(Worker):
             self.metrics.process_seconds.observe(time.perf_counter() - started)
 
     def _on_chunk(self, chunk: TokenChunk) -> None:
+        """One incoming chunk: the stream receiver orders it; each ready piece is consumed."""
         rid = chunk.request_id
         if rid in self.finished:
             return
         st = self.states.get(rid)
         if st is None:
-            if chunk.index != 0 or chunk.spec is None:
-                # overtook the request's first chunk (it comes from another publisher): keep it
-                early = self.early.setdefault(rid, {})
-                early[chunk.index] = chunk
-                self.early_at.setdefault(rid, time.monotonic())
-                if len(early) > MAX_OUT_OF_ORDER:
-                    self.log.warning("chunks_without_start", request_id=rid, count=len(early))
-                    self.early.pop(rid, None)
-                    self.early_at.pop(rid, None)
-                return
-            spec = chunk.spec
-            st = RequestState(spec, Detokenizer(self.tokenizer, spec.skip_special_tokens),
-                              StopMatcher(spec.stop, spec.include_stop_str_in_output), opened_at=time.monotonic(),
-                              span=start_span("postfilter", spec.headers, request_id=rid),
-                              filters=[(f, f.open(rid)) for f in self.text_filters])
-            self.states[rid] = st
-            self.early_at.pop(rid, None)
-            st.pending.update(self.early.pop(rid, {}))
-        st.last_chunk_at = time.monotonic()
+            if chunk.index == 0 and chunk.spec is None:
+                return  # a resend of a stream this worker never opened
+            st = self.states[rid] = RequestState(StreamReceiver(TOKEN_POLICY, time.monotonic(), unit="token"))
         if chunk.replay and chunk.worker:
             self._hand_over(rid, st, chunk.worker)
-        elif chunk.index > 0 and chunk.worker:
-            if not st.owner:
-                st.owner = chunk.worker
-            elif chunk.worker != st.owner:
-                return  # a worker that lost the request to another; it was told to stop
-        if chunk.index > st.next_index:
-            st.pending[chunk.index] = chunk
-            st.gap_since = st.gap_since or time.monotonic()
-            if len(st.pending) > MAX_OUT_OF_ORDER:
-                self._fail(rid, st, f"token stream gap: expected token {st.next_index}, got {min(st.pending)}")
+        elif chunk.index > 0 and not st.tokens.is_from_owner(chunk.worker):
+            return  # a worker that lost the request to another; it was told to stop
+        try:
+            ready = st.tokens.offer(chunk, chunk.index, len(chunk.token_ids), chunk.finish_reason is not None,
+                                    time.monotonic())
+        except StreamGap as exc:
+            if st.spec is None:
+                self.log.warning("chunks_without_start", request_id=rid, error=str(exc))
+                self.states.pop(rid, None)
+            else:
+                self._fail(rid, st, f"token stream gap: {exc}")
             return
-        self._consume(rid, st, chunk)
-        while rid in self.states and st.pending:
-            ready = [i for i in st.pending if i <= st.next_index]
-            if not ready:
-                break
-            self._consume(rid, st, st.pending.pop(min(ready)))
-        if not st.pending:
-            st.gap_since = 0.0
+        for piece in ready:
+            if self.states.get(rid) is not st:
+                break  # finished (a stop string) or failed
+            if st.spec is None:
+                self._open(rid, st, piece.payload.spec)
+            self._consume(rid, st, piece)
 
-    def _consume(self, rid: str, st: RequestState, chunk: TokenChunk) -> None:
-        skip = st.next_index - chunk.index
-        new_tokens = chunk.token_ids[skip:]
-        if not new_tokens and chunk.finish_reason is None:
-            return  # a duplicate
+    def _open(self, rid: str, st: RequestState, spec: StreamSpec) -> None:
+        """The request's first chunk (index 0, with its StreamSpec) arrived."""
+        st.spec = spec
+        st.detok = Detokenizer(self.tokenizer, spec.skip_special_tokens)
+        st.stop = StopMatcher(spec.stop, spec.include_stop_str_in_output)
+        st.span = start_span("postfilter", spec.headers, request_id=rid)
+        st.filters = [(f, f.open(rid)) for f in self.text_filters]
+        st.text = self.texts.open(rid, spec.reply_to, empty="", context=st)
+
+    def _detokenize(self, st: RequestState, new_tokens: list[int], finish_reason: str | None) -> tuple[str, int, str | None]:
+        """(text safe to show, tokens consumed, finish reason) for the new tokens of a chunk;
+        a stop string consumes tokens up to the one completing it."""
         pieces = []
         consumed = 0
         stopped = False
         # a stop token id ends the text without appearing in it (as vLLM does), unless asked
-        hide_last = (chunk.finish_reason == "stop" and new_tokens and not st.spec.include_stop_str_in_output
+        hide_last = (finish_reason == "stop" and new_tokens and not st.spec.include_stop_str_in_output
                      and new_tokens[-1] in st.spec.stop_token_ids)
         for i, token_id in enumerate(new_tokens):
             consumed += 1
@@ -248,8 +225,7 @@ class PostfilterWorker(Worker):
             pieces.append(text)
             if stopped:
                 break
-        st.next_index += consumed
-        finish = "stop" if stopped else chunk.finish_reason
+        finish = "stop" if stopped else finish_reason
         if finish is not None and not stopped:
             text, stopped = st.stop.feed(st.detok.finish())
             pieces.append(text)
@@ -257,34 +233,33 @@ class PostfilterWorker(Worker):
                 finish = "stop"
             else:
                 pieces.append(st.stop.flush())
-        text = self._filter(st, "".join(pieces), final=finish is not None)
+        return self._filter(st, "".join(pieces), final=finish is not None), consumed, finish
+
+    def _consume(self, rid: str, st: RequestState, ready: Ready) -> None:
+        chunk: TokenChunk = ready.payload
+        text, consumed, finish = self._detokenize(st, chunk.token_ids[ready.skip:], chunk.finish_reason)
+        st.num_tokens += consumed
         if not text and finish is None:
             return
-        usage = None
         if finish is not None:
-            usage = Usage(prompt_tokens=st.spec.num_prompt_tokens, completion_tokens=st.next_index,
-                          cached_tokens=st.spec.num_cached_tokens)
+            st.usage = Usage(prompt_tokens=st.spec.num_prompt_tokens, completion_tokens=st.num_tokens,
+                             cached_tokens=st.spec.num_cached_tokens)
+            st.span.end()
         logprobs = None
         if chunk.logprobs:
-            logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[skip : skip + consumed]]
-        marks = []
-        if finish is not None:
-            marks = [*chunk.marks, now_mark("postfilter.final")] if chunk.marks else []
-            st.span.end()
+            logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[ready.skip : ready.skip + consumed]]
+        marks = [*chunk.marks, now_mark("postfilter.final")] if finish is not None and chunk.marks else []
+        piece = st.text.push(text, finish)
         self.post(st.spec.reply_to, TextChunk(
-            request_id=rid, text=text, text_offset=st.text_offset, num_tokens=st.next_index,
-            finish_reason=finish, usage=usage, logprobs=logprobs, source=self.inbox, marks=marks,
+            request_id=rid, text=text, text_offset=piece.index, num_tokens=st.num_tokens,
+            finish_reason=finish, usage=st.usage if finish else None, logprobs=logprobs, source=self.inbox,
+            marks=marks,
         ))
-        st.text_offset += len(text)
-        st.emitted.append(text)
         if finish is not None:
-            st.finish_reason, st.usage = finish, usage
             self.states.pop(rid, None)
             self.finished.add(rid)
-            self.done_states[rid] = (st, time.monotonic())  # kept a while, to resend lost text
-            while len(self.done_states) > MAX_DONE_STATES:
-                self.done_states.pop(next(iter(self.done_states)))
-            if stopped and chunk.finish_reason is None:
+            self.texts.finish(rid, time.monotonic())  # kept a while, to resend lost text
+            if finish == "stop" and chunk.finish_reason is None:
                 self.post(self.protocol.abort, Abort(request_id=rid, reason="stop"))
 
     @staticmethod
@@ -298,10 +273,9 @@ class PostfilterWorker(Worker):
 
     def _hand_over(self, rid: str, st: RequestState, worker: str) -> None:
         """``worker`` now owns the request's stream; the previous owner is told to stop."""
-        if worker and worker != st.owner:
-            if st.owner:
-                self.post(self.protocol.abort, Abort(request_id=rid, reason="superseded", worker=st.owner))
-            st.owner = worker
+        previous = st.tokens.claim(worker)
+        if previous:
+            self.post(self.protocol.abort, Abort(request_id=rid, reason="superseded", worker=previous))
 
     def _logprob_entry(self, lp: TokenLogprob) -> OutputLogprob:
         text, raw = self.token_text(lp.token_id)
@@ -312,6 +286,7 @@ class PostfilterWorker(Worker):
         return OutputLogprob(token=text, logprob=lp.logprob, bytes=raw, top=top)
 
     def _fail(self, rid: str, st: RequestState, message: str) -> None:
+        """End the request with a stream_gap error event (its stream cannot be repaired)."""
         self.log.error("stream_failed", request_id=rid, error=message)
         self.post(st.spec.reply_to, ErrorEvent(request_id=rid, status=500, message=message, code="stream_gap"))
         self.post(self.protocol.abort, Abort(request_id=rid, reason="error"))

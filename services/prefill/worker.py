@@ -31,7 +31,6 @@ from engine.engine import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main
-from shared import bus
 from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import BLOCK, TAIL, block_key, tail_key
 from shared.messages import (
@@ -214,7 +213,7 @@ class PrefillWorker(ModelWorker):
             kv=handle,
             num_cached_tokens=seq.num_cached_tokens,
         )
-        await bus.publish_task(self.js, self.protocol.decode, decode, meta.request_id)
+        await self.bus.publish_work(self.protocol.decode, decode, meta.request_id)
         await item.ack()
 
 

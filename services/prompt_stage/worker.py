@@ -17,7 +17,6 @@ import msgspec
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.runtime import Worker
 from services.plugins.api import PromptStage, load_class, stage_name
-from shared import bus
 from shared.config import Settings
 from shared.messages import TokenizeTask
 from shared.timeline import with_mark
@@ -63,8 +62,8 @@ class StageWorker(Worker):
         with span(self.stage, task.meta.headers, request_id=task.meta.request_id) as carry:
             out = await self.plugin.process(task)
             meta = with_mark(msgspec.structs.replace(out.meta, headers=carry or out.meta.headers), f"{self.stage}.done")
-            await bus.publish_task(self.js, self.protocol.after_stage(self.name), msgspec.structs.replace(out, meta=meta),
-                                   meta.request_id)
+            await self.bus.publish_work(self.protocol.after_stage(self.name), msgspec.structs.replace(out, meta=meta),
+                                        meta.request_id)
         await item.ack()
 
 

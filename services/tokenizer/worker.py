@@ -25,7 +25,6 @@ from services.common.consumer import PullConsumer, WorkItem
 from services.common.runtime import Worker, main
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from services.tokenizer.router import Router
-from shared import bus
 from shared.hashing import block_hashes, hash_extra
 from shared.kv import block_key, open_store
 from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
@@ -54,7 +53,7 @@ class TokenizerWorker(Worker):
             if isinstance(hb, Heartbeat):
                 self.registry.observe(hb)
 
-        await bus.subscribe_messages(self.nc, self.protocol.heartbeat, on_heartbeat)
+        await self.bus.subscribe(self.protocol.heartbeat, on_heartbeat)
         self.consumer = PullConsumer(
             self, self.protocol.tokenize, TokenizeTask, self.handle,
             capacity=lambda: self.settings.tokenizer_concurrency - len(self.consumer.in_flight),
@@ -88,11 +87,11 @@ class TokenizerWorker(Worker):
             meta = with_mark(msgspec.structs.replace(meta, headers=carry or meta.headers), "tokenizer.published")
             if target == "remote":
                 task_out = PrefillTask(meta=meta, sampling=sampling, prompt_token_ids=ids, block_hashes=hashes)
-                await bus.publish_task(self.js, self.protocol.prefill, task_out, meta.request_id)
+                await self.bus.publish_work(self.protocol.prefill, task_out, meta.request_id)
             else:
                 task_out = DecodeTask(meta=meta, sampling=sampling, prompt_token_ids=ids, output_token_ids=[],
                                       block_hashes=hashes, route=reason)
-                await bus.publish_task(self.js, self.protocol.decode, task_out, meta.request_id)
+                await self.bus.publish_work(self.protocol.decode, task_out, meta.request_id)
         await self.publish(meta.reply_to, Accepted(request_id=meta.request_id, num_prompt_tokens=len(ids),
                                                    max_tokens=max_tokens))
         await item.ack()

@@ -11,7 +11,7 @@ import time
 import msgspec
 import pytest
 
-from shared import bus
+from shared import nats_bus as bus
 from shared.messages import ErrorEvent, decode
 from shared.subjects import Protocol
 from tests.pipeline_fixture import heartbeats, metric_value

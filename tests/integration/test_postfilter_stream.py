@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared import bus
+from shared import nats_bus as bus
 from shared.messages import ErrorEvent, StreamSpec, TextChunk, TokenChunk
 from shared.subjects import Protocol
 from tests.pipeline_fixture import heartbeats
