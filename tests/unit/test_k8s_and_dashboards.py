@@ -45,6 +45,19 @@ def test_core_objects_match_the_kubernetes_schemas(doc):
     kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
+def test_light_stages_run_the_slim_image_and_model_stages_the_model_image():
+    deployments = by_kind("Deployment")
+    for stage in ("gateway", "tokenizer", "postfilter"):
+        (container,) = deployments[stage]["spec"]["template"]["spec"]["containers"]
+        assert container["image"].startswith("pdserve-slim:"), stage
+    for stage in ("prefill", "decode"):
+        (container,) = deployments[stage]["spec"]["template"]["spec"]["containers"]
+        assert container["image"].startswith("pdserve-model:"), stage
+    for job in by_kind("Job").values():  # the model conversion needs torch
+        for container in job["spec"]["template"]["spec"]["containers"]:
+            assert container["image"].startswith("pdserve-model:")
+
+
 def test_every_stage_has_a_deployment_with_probes_grace_and_a_pdb():
     deployments, pdbs = by_kind("Deployment"), by_kind("PodDisruptionBudget")
     config = by_kind("ConfigMap")["pdserve-config"]["data"]
