@@ -8,7 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.launcher import local_binary, terminate
+from services.launcher import terminate
+from services.local_infra import local_binary
 
 
 def free_port() -> int:
