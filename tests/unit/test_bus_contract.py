@@ -17,7 +17,7 @@ from shared.messages import Abort, RequestStatus, StatusQuery, TokenizeTask, dec
 from shared.subjects import Protocol
 
 ACK_WAIT_S = 1.0
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 def task(rid: str) -> TokenizeTask:

@@ -5,6 +5,8 @@ cover, in a fraction of the time."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -26,11 +28,23 @@ from shared.messages import (
     TokenResend,
     decode_as,
 )
-from shared.model_files import load_tokenizer
+from shared.model_files import COMPLETE_MARKER, load_tokenizer
+from tests.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 TEXT = "café naïve — 日本語 😀🎉 done"
 REPLY = "mem.gateway.test.events"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A model folder with what the light stages read — tokenizer and config.json — and no
+    weights (marked converted), built without torch."""
+    folder = tmp_path_factory.mktemp("tokenizer-only") / "tiny-llama"
+    tok = build_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": len(tok), "max_position_embeddings": 1024}))
+    (folder / COMPLETE_MARKER).write_text("{}")
+    return folder
 
 
 def settings_for(tiny_model_dir) -> Settings:
