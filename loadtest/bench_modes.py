@@ -79,10 +79,10 @@ class Deployed:
         return self.dep
 
     def __exit__(self, *exc):
-        from services import launcher
+        from services import launcher, local_infra
 
         launcher.stop_all(self.dep)
-        launcher.drop_namespace(self.settings)
+        local_infra.drop_namespace(self.settings)
         self.tmp.cleanup()
 
 

@@ -77,7 +77,7 @@ def bench_in_process(settings: Settings, prompts: list[str], max_tokens: int, th
 
 
 def bench_pipeline(settings: Settings, prompts: list[str], max_tokens: int, model_name: str) -> list[tuple[float, float]]:
-    from services import launcher
+    from services import launcher, local_infra
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +104,7 @@ def bench_pipeline(settings: Settings, prompts: list[str], max_tokens: int, mode
                     out.append(one(prompt, max_tokens))
         finally:
             launcher.stop_all(dep)
-            launcher.drop_namespace(settings)
+            local_infra.drop_namespace(settings)
     return out
 
 

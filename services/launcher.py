@@ -9,10 +9,8 @@ State (pids, logs, a NATS store it started) lives in ``--state-dir`` (default ``
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -223,35 +221,6 @@ def stop_all(dep: Deployment) -> None:
     terminate(gateways, timeout_s=dep.settings.shutdown_drain_s + 10)
     terminate([p.popen for p in dep.procs if p.popen not in gateways])
     terminate([p for p in (dep.nats_proc, dep.redis_proc) if p is not None], timeout_s=5)
-
-
-def drop_namespace(settings: Settings) -> None:
-    """Delete what a throwaway deployment (a test, a benchmark) left under its namespace: its
-    JetStream streams, its staged KV blocks and its shared-memory folder. Best effort: a bus
-    or store that is already gone is skipped. Not for a deployment whose prefix cache should
-    outlive it (``pdserve up`` keeps its shared-memory folder on purpose)."""
-    from shared import nats_bus as bus
-    from shared.kv import open_store
-
-    async def drop() -> None:
-        nc = await bus.connect(settings, "pdserve-cleanup", max_reconnect_attempts=0)
-        try:
-            await bus.delete_namespace(nc.jetstream(), settings.protocol())
-        finally:
-            await nc.close()
-
-    try:
-        asyncio.run(drop())
-    except Exception:
-        pass
-    try:
-        store = open_store(settings)
-        store.clear()
-        store.close()
-    except Exception:
-        pass
-    if settings.kv_store == "shm":
-        shutil.rmtree(Path(settings.shm_dir) / f"pdserve-{settings.namespace}", ignore_errors=True)
 
 
 def state_file(state_dir: Path) -> Path:

