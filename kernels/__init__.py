@@ -46,6 +46,7 @@ def select(device_type: str, backend: str = "auto", kv_dtype: str | None = None)
         return cpu
     except Exception as exc:
         if backend == "cpu":
-            raise
+            raise RuntimeError(f"PD_ATTENTION_BACKEND=cpu but the C++ kernel does not build ({str(exc)[:500]}); "
+                               "use PD_ATTENTION_BACKEND=auto or reference") from exc
         log.warning("cpu_kernel_unavailable_using_reference", error=str(exc)[:500])
         return attention
