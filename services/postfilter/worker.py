@@ -83,6 +83,9 @@ class RequestState:
     usage: Usage | None = None
     span: object = None
     filters: list = field(default_factory=list)
+    #: logprob entries of tokens whose text is not out yet (an incomplete UTF-8 sequence): they
+    #: go with the next text, so every token keeps its entry
+    held_logprobs: list = field(default_factory=list)
 
 
 class PostfilterWorker(Worker):
@@ -259,7 +262,9 @@ class PostfilterWorker(Worker):
             else:
                 pieces.append(st.stop.flush())
         text = self._filter(st, "".join(pieces), final=finish is not None)
+        entries = [self._logprob_entry(lp) for lp in chunk.logprobs[skip : skip + consumed]] if chunk.logprobs else []
         if not text and finish is None:
+            st.held_logprobs.extend(entries)
             return
         usage = None
         if finish is not None:
@@ -267,7 +272,7 @@ class PostfilterWorker(Worker):
                           cached_tokens=st.spec.num_cached_tokens)
         logprobs = None
         if chunk.logprobs:
-            logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[skip : skip + consumed]]
+            logprobs, st.held_logprobs = [*st.held_logprobs, *entries], []
         marks = []
         if finish is not None:
             marks = [*chunk.marks, now_mark("postfilter.final")] if chunk.marks else []

@@ -166,8 +166,10 @@ def test_penalties_bias_and_max_completion_tokens_change_the_output(client):
     short = client.post("/v1/chat/completions", json={**{k: v for k, v in base.items() if k != "max_tokens"},
                                                       "max_completion_tokens": 3}).json()
     assert short["usage"]["completion_tokens"] == 3 and short["choices"][0]["finish_reason"] == "length"
-    # asking for logprobs does not change the output
+    # asking for logprobs does not change the output, and every token has its entry (also those
+    # whose bytes end an incomplete UTF-8 sequence and show no text yet)
     assert lp["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert len(lp["choices"][0]["logprobs"]["content"]) == plain["usage"]["completion_tokens"]
     assert first  # the first entry carries its token's bytes
 
 
