@@ -45,7 +45,7 @@ def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting == "cuda" and not torch.cuda.is_available():
-        raise ModelNotAvailable("PD_DEVICE=cuda but no CUDA device is available")
+        raise ModelNotAvailable("PD_DEVICE=cuda but no CUDA device is available; use PD_DEVICE=auto or cpu")
     return torch.device(setting)
 
 

@@ -144,7 +144,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
-        self.attention = kernels.select(self.device.type, attention_backend)
+        kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
+        self.attention = kernels.select(self.device.type, attention_backend, kv_dtype)
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
 

@@ -14,15 +14,30 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 
-def select(device_type: str, backend: str = "auto") -> ModuleType:
+#: KV cache dtypes the C++ CPU kernel reads (float16 is not among them: it goes to the reference)
+CPU_KERNEL_KV_DTYPES = ("float32", "bfloat16")
+
+
+def select(device_type: str, backend: str = "auto", kv_dtype: str | None = None) -> ModuleType:
     """The attention implementation for a device type ("cpu" or "cuda").
 
-    ``backend``: "reference", "cpu" (the C++ kernel; raises if it cannot be built) or "auto"
-    (the C++ kernel on CPU when it builds, else the reference).
+    ``backend``: "reference", "cpu" (the C++ kernel) or "auto" (the C++ kernel on CPU when it
+    builds and reads ``kv_dtype``, else the reference). ``kv_dtype``: the KV cache's dtype name
+    ("float32", "bfloat16", "float16"; None: not known, assumed readable).
+
+    Raises:
+        ValueError: ``backend="cpu"`` with a KV dtype the kernel does not read.
+        RuntimeError: ``backend="cpu"`` and the kernel does not build.
     """
     from kernels import attention
 
     if backend == "reference" or device_type != "cpu":
+        return attention
+    if kv_dtype is not None and kv_dtype not in CPU_KERNEL_KV_DTYPES:
+        if backend == "cpu":
+            raise ValueError(f"PD_ATTENTION_BACKEND=cpu reads a {' or '.join(CPU_KERNEL_KV_DTYPES)} KV cache, "
+                             f"not {kv_dtype}; use PD_ATTENTION_BACKEND=auto or reference")
+        log.info("cpu_kernel_skipped_for_kv_dtype", kv_dtype=kv_dtype)
         return attention
     from kernels import cpu
 
@@ -31,6 +46,7 @@ def select(device_type: str, backend: str = "auto") -> ModuleType:
         return cpu
     except Exception as exc:
         if backend == "cpu":
-            raise
+            raise RuntimeError(f"PD_ATTENTION_BACKEND=cpu but the C++ kernel does not build ({str(exc)[:500]}); "
+                               "use PD_ATTENTION_BACKEND=auto or reference") from exc
         log.warning("cpu_kernel_unavailable_using_reference", error=str(exc)[:500])
         return attention

@@ -196,18 +196,28 @@ class Row:
 
 
 def references(settings: Settings, prompts: list[str], max_tokens: int) -> list[str]:
-    """Greedy texts from the engine in this process (no bus): the truth the pipeline must match."""
-    from engine.factory import build_engine
+    """Greedy texts from transformers' own ``generate`` (float32, eager attention, no EOS), not
+    from pdserve's engine: the truth the pipeline must match, independent of the code under
+    test (the engine is checked against the same reference in the test suite)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from engine.model_loader import ensure_model
-    from shared.messages import SamplingParams
     from shared.model_files import load_tokenizer
 
-    tok = load_tokenizer(ensure_model(settings))
-    engine = build_engine(settings)
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=False), add_special_tokens=False) for p in prompts]
-    seqs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    return [tok.decode(s.output_token_ids, skip_special_tokens=True) for s in seqs]
+    folder = ensure_model(settings)
+    tok = load_tokenizer(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    never = [model.config.vocab_size + 1]  # an id greedy decoding never picks: ignore_eos
+    texts = []
+    for prompt in prompts:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                 tokenize=False), add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=never, pad_token_id=never[0])
+        texts.append(tok.decode(out[0, len(ids):], skip_special_tokens=True))
+    return texts
 
 
 def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]:

@@ -245,8 +245,13 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
         if any(_alive(pid) for pid in [*state.get("pids", []), state.get("launcher_pid") or 0] if pid):
             raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
     dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet, affinity=affinity or {})
-    from engine.model_loader import ensure_model
+    from engine.model_loader import ensure_model, resolve_device
+    from shared.models import ModelNotAvailable
 
+    try:  # PD_DEVICE=cuda without a GPU: refuse here, not in every model worker after the model loads
+        resolve_device(settings.device)
+    except ModelNotAvailable as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
     folder = ensure_model(settings, progress=not quiet)
     dep.say(f"model {folder}")
     prepare_kernels(dep)

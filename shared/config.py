@@ -80,13 +80,15 @@ class Settings:
         "CPUs a model worker is pinned to, e.g. \"0\" or \"0-3\"; empty = any.", default=""
     )
     kv_cache_dtype: str = _doc(
-        "auto (the model's dtype), float32 or bfloat16. bfloat16 halves KV memory, hand-off bytes "
-        "and attention traffic; outputs may then differ slightly from a float32 reference.",
+        "auto (the model's dtype), float32, bfloat16 or float16. bfloat16 halves KV memory, hand-off "
+        "bytes and attention traffic; outputs may then differ slightly from a float32 reference. "
+        "A float16 cache runs on the PyTorch reference attention (the C++ kernel reads float32 and bfloat16).",
         default="auto",
     )
     attention_backend: str = _doc(
         "auto, reference or cpu. auto: the C++ paged-attention kernel on CPU when it builds "
-        "(first use compiles it, about 40 s), else the pure-PyTorch reference.",
+        "(first use compiles it, about 40 s) and the KV cache is float32 or bfloat16, else the "
+        "pure-PyTorch reference. cpu: the C++ kernel or a refusal at start.",
         default="auto",
     )
 
@@ -269,6 +271,12 @@ class Settings:
             raise SettingsError(f"PD_ATTENTION_BACKEND must be auto, reference or cpu, not {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise SettingsError(f"PD_DEVICE must be auto, cpu or cuda, not {self.device!r}")
+        kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if self.attention_backend == "cpu" and kv_dtype == "float16":
+            # the C++ kernel reads float32 and bfloat16 caches only (kernels.CPU_KERNEL_KV_DTYPES)
+            raise SettingsError("PD_ATTENTION_BACKEND=cpu reads a float32 or bfloat16 KV cache, not float16 "
+                                f"(PD_DTYPE={self.dtype}, PD_KV_CACHE_DTYPE={self.kv_cache_dtype}); use "
+                                "PD_ATTENTION_BACKEND=auto or reference, or PD_KV_CACHE_DTYPE=float32 or bfloat16")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"PD_{name.upper()} must be positive")

@@ -74,6 +74,9 @@ class RequestState:
     usage: Usage | None = None
     span: object = None
     filters: list = field(default_factory=list)
+    #: logprob entries of tokens whose text is not out yet (an incomplete UTF-8 sequence): they
+    #: go with the next text, so every token keeps its entry
+    held_logprobs: list = field(default_factory=list)
 
 
 class PostfilterWorker(Worker):
@@ -239,7 +242,10 @@ class PostfilterWorker(Worker):
         chunk: TokenChunk = ready.payload
         text, consumed, finish = self._detokenize(st, chunk.token_ids[ready.skip:], chunk.finish_reason)
         st.num_tokens += consumed
+        entries = ([self._logprob_entry(lp) for lp in chunk.logprobs[ready.skip : ready.skip + consumed]]
+                   if chunk.logprobs else [])
         if not text and finish is None:
+            st.held_logprobs.extend(entries)
             return
         if finish is not None:
             st.usage = Usage(prompt_tokens=st.spec.num_prompt_tokens, completion_tokens=st.num_tokens,
@@ -247,7 +253,7 @@ class PostfilterWorker(Worker):
             st.span.end()
         logprobs = None
         if chunk.logprobs:
-            logprobs = [self._logprob_entry(lp) for lp in chunk.logprobs[ready.skip : ready.skip + consumed]]
+            logprobs, st.held_logprobs = [*st.held_logprobs, *entries], []
         marks = [*chunk.marks, now_mark("postfilter.final")] if finish is not None and chunk.marks else []
         piece = st.text.push(text, finish)
         self.post(st.spec.reply_to, TextChunk(

@@ -112,6 +112,8 @@ class ShmKVStore(KVStore):
                 out.append(os.stat(self._path(key)).st_mtime >= now)
             except FileNotFoundError:
                 out.append(False)
+            except OSError as exc:  # the store itself is broken: the KV failure policy decides
+                raise KVTransferError(f"shared-memory KV store read failed: {exc}") from exc
         return out
 
     def touch(self, keys: Sequence[str], ttl_s: float) -> list[bool]:
@@ -128,6 +130,8 @@ class ShmKVStore(KVStore):
                 out.append(True)
             except FileNotFoundError:
                 out.append(False)
+            except OSError as exc:
+                raise KVTransferError(f"shared-memory KV store write failed: {exc}") from exc
         return out
 
     def delete(self, keys: Sequence[str]) -> int:

@@ -62,6 +62,10 @@ def test_kv_handoff_went_through_redis(smollm2):
     import redis
 
     dep, _ = smollm2
+    # a request of its own: the test does not depend on the one before it having run
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name three rivers of Europe, then three of Asia."}]}
+    assert httpx.post(f"{dep.url}/v1/chat/completions", json=body, timeout=120).status_code == 200
     r = redis.Redis.from_url(dep.settings.redis_url)
     ns = dep.settings.namespace
     blocks = list(r.scan_iter(match=f"{ns}:kv:blk:*"))

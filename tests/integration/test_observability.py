@@ -1,4 +1,4 @@
-"""Seeing inside the hop: a request's timeline (phases that add up to its end-to-end time),
+"""Seeing inside the hop: a request's timeline (phases between marks checked against the client's own clock),
 one OpenTelemetry trace across all five services, and request ids on every log line."""
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ def traced(tmp_path_factory, tiny_model_dir, nats_url):
         yield dep, tmp / "spans"
 
 
-def test_timeline_phases_add_up_to_the_end_to_end_time(traced):
+def test_timeline_phases_agree_with_the_clients_own_clock(traced):
+    """The phases telescope between the same two marks, so their sum equals e2e by construction;
+    what can be wrong is the marks. Check them against what the client measures itself: the
+    marks are in time order, the phases up to the first token fit inside the client's own TTFT,
+    and the whole timeline inside the client's wall time."""
     dep, _ = traced
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Tell me about rivers and the sea"}],
             "max_tokens": 12, "temperature": 0}
@@ -41,17 +45,29 @@ def test_timeline_phases_add_up_to_the_end_to_end_time(traced):
         timeline = client.get(f"/debug/timeline/{resp.json()['id']}").json()
         choice = timeline["choices"][0]
         assert [p["phase"] for p in choice["phases"]] == CRITICAL_PATH
-        assert abs(choice["sum_ms"] - timeline["e2e_ms"]) <= 0.03 * timeline["e2e_ms"]
         assert timeline["e2e_ms"] <= wall_ms
-        assert all(p["ms"] >= 0 for p in choice["phases"])
-        # streamed requests get a timeline too, with the time to the first SSE flush
+        # phases() clamps a negative gap to 0: check the raw marks are in order instead
+        at = [m["at"] for m in choice["marks"] if m["mark"] != "gateway.first_flush"]
+        assert at == sorted(at), choice["marks"]
+        # streamed: the client's own time to its first content chunk bounds the server's view
+        rid, client_ttft_ms = None, None
+        started = time.perf_counter()  # before the request is sent (entering stream() sends it)
         with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
-            rid = None
             for line in s.iter_lines():
                 if line.startswith("data: {"):
-                    rid = json.loads(line[6:])["id"]
+                    chunk = json.loads(line[6:])
+                    rid = chunk["id"]
+                    if client_ttft_ms is None and chunk["choices"][0]["delta"].get("content"):
+                        client_ttft_ms = (time.perf_counter() - started) * 1e3
+            client_wall_ms = (time.perf_counter() - started) * 1e3
         streamed = client.get(f"/debug/timeline/{rid}").json()
-        assert 0 < streamed["ttft_ms"] < streamed["e2e_ms"]
+        phases = streamed["choices"][0]["phases"]
+        to_first_token = sum(p["ms"] for p in phases[:CRITICAL_PATH.index("prefill") + 1])
+        # (the server's ttft_ms is its first SSE flush, the role chunk, so it is not ordered
+        # against the first token; both are inside the client's time to its first content)
+        assert 0 < to_first_token <= client_ttft_ms
+        assert 0 < streamed["ttft_ms"] <= client_ttft_ms
+        assert streamed["ttft_ms"] < streamed["e2e_ms"] <= client_wall_ms
         assert client.get("/debug/timeline/chatcmpl-nope").status_code == 404
 
 

@@ -88,20 +88,25 @@ def test_n_choices_have_indices_streamed_and_not(client):
 
 
 def test_include_usage_chunk_is_last_with_empty_choices(client):
-    body = chat_body("Hello there", max_tokens=6, stream=True, stream_options={"include_usage": True})
+    # ignore_eos: exactly six tokens, so the usage chunk's count is known
+    body = chat_body("Hello there", max_tokens=6, stream=True, stream_options={"include_usage": True},
+                     ignore_eos=True)
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         payloads = read_sse(resp)
     chunks = [json.loads(p) for p in payloads[:-1]]
     assert all(c["usage"] is None for c in chunks[:-1])
     last = chunks[-1]
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6 or last["usage"]["completion_tokens"] <= 6
+    assert last["choices"] == []
+    assert last["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + last["usage"]["completion_tokens"]
     error_of(client.post("/v1/chat/completions", json={**body, "stream": False}), 400)
 
 
 def test_logprobs_chat_and_completions(client):
+    # ignore_eos: the text ends at max_tokens, never at an EOS whose bytes the content leaves out
     body = client.post("/v1/chat/completions", json=chat_body("Hello there", max_tokens=6, logprobs=True,
-                                                              top_logprobs=3)).json()
+                                                              top_logprobs=3, ignore_eos=True)).json()
     choice = body["choices"][0]
     content = choice["logprobs"]["content"]
     assert len(content) == body["usage"]["completion_tokens"]
@@ -110,7 +115,8 @@ def test_logprobs_chat_and_completions(client):
         assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6  # greedy picks the top one
         assert entry["top_logprobs"][0]["token"] == entry["token"]
     raw = b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", errors="replace")
-    assert raw.replace("<|im_end|>", "") == choice["message"]["content"] or choice["finish_reason"] == "stop"
+    assert choice["finish_reason"] == "length"
+    assert raw.replace("<|im_end|>", "") == choice["message"]["content"]
     comp = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
                                                 "logprobs": 2}).json()
     lp = comp["choices"][0]["logprobs"]
@@ -160,7 +166,11 @@ def test_penalties_bias_and_max_completion_tokens_change_the_output(client):
     short = client.post("/v1/chat/completions", json={**{k: v for k, v in base.items() if k != "max_tokens"},
                                                       "max_completion_tokens": 3}).json()
     assert short["usage"]["completion_tokens"] == 3 and short["choices"][0]["finish_reason"] == "length"
-    assert first is not None
+    # asking for logprobs does not change the output, and every token has its entry (also those
+    # whose bytes end an incomplete UTF-8 sequence and show no text yet)
+    assert lp["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert len(lp["choices"][0]["logprobs"]["content"]) == plain["usage"]["completion_tokens"]
+    assert first  # the first entry carries its token's bytes
 
 
 def test_stop_token_ids_end_the_text_without_appearing_in_it(client):

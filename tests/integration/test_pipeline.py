@@ -221,7 +221,9 @@ def test_stuck_stage_gives_error_within_deadline(client, pipeline):
                 error_of(resp.read() and resp, resp.status_code)
                 assert resp.status_code in (503, 504)
         elapsed = time.monotonic() - started
-        assert elapsed < 6.0 + 5.0  # the stall timeout, plus slack
+        # ended by the stall timeout (6 s), not by a later deadline (first token: 120 s); the
+        # upper bound is generous for a loaded machine
+        assert 6.0 <= elapsed < 60.0
     finally:
         os.kill(decode.popen.pid, signal.SIGCONT)
     # once the worker is back, serving resumes

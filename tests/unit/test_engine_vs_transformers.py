@@ -4,6 +4,7 @@ cache hits and KV moved through the store."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -24,10 +25,22 @@ def reference(ref_model, prompt: list[int], max_new_tokens: int, eos: set[int]) 
 
 
 def make_engine(model, **overrides) -> LLMEngine:
+    """An engine on its own copy of ``model``: the C++ backend reroutes the linears and norms of
+    the model it is given in place, which would make every later engine on the same object run
+    C++ kernels whatever its backend."""
     cfg = dict(model_id="tiny", block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
                attention_backend="reference")
     cfg.update(overrides)
-    return LLMEngine(model, EngineConfig(**cfg), eos_token_ids=eos_ids_of(model))
+    assert not rewired(model), "the shared tiny model was modified in place"
+    engine = LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=eos_ids_of(model))
+    if cfg["attention_backend"] == "reference":
+        assert not rewired(engine.model)
+    return engine
+
+
+def rewired(model) -> list[str]:
+    """Modules whose forward was replaced on the instance (what the C++ backend does)."""
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
 
 
 def prompts_of(lengths, vocab, seed=0):
@@ -44,6 +57,8 @@ def test_mixed_batch_matches_generate(tiny_model, backend):
     eos = eos_ids_of(model)
     prompts = prompts_of([1, 3, 7, 16, 33], model.config.vocab_size)
     engine = make_engine(model, attention_backend=backend)
+    # the parameter decides what runs: C++ linears and norms only on the cpu backend
+    assert bool(rewired(engine.model)) == (backend == "cpu")
     seqs = engine.generate(prompts, GREEDY)
     for p, s in zip(prompts, seqs):
         assert s.output_token_ids == reference(ref, p, 12, eos)
@@ -77,10 +92,19 @@ def test_chunked_prefill_matches(tiny_model, backend):
     eos = eos_ids_of(model)
     prompts = prompts_of([40, 23, 3], model.config.vocab_size, seed=2)
     engine = make_engine(model, max_num_batched_tokens=8, attention_backend=backend)  # every prompt longer than 8 is chunked
-    seqs = engine.generate(prompts, GREEDY)
+    seqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    step_tokens, first_token_step = [], None
+    while engine.has_unfinished():
+        engine.step()
+        step_tokens.append(engine.stats.last_step_tokens)
+        if first_token_step is None and seqs[0].output_token_ids:
+            first_token_step = len(step_tokens)
     for p, s in zip(prompts, seqs):
         assert s.output_token_ids == reference(ref, p, 12, eos)
-    assert engine.stats.num_steps > 40 // 8
+    # chunking, not just many steps: no step over the budget, and the 40-token prompt needed
+    # at least five steps of at most 8 tokens before its first token
+    assert max(step_tokens) <= 8
+    assert first_token_step >= 40 // 8
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

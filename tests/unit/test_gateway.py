@@ -145,7 +145,9 @@ def test_silent_pipeline_times_out_with_504_and_aborts(tiny_model_dir):
 
     resp, elapsed = run(go())
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
-    assert 0.9 < elapsed < 3.0
+    # not before the stall timeout (1 s); the upper bound only says it was that deadline and no
+    # later one (the next is the 120 s first-token timeout), generous for a loaded machine
+    assert 0.9 < elapsed < 60.0
     assert fake.aborted and fake.aborted[0][1] == "deadline"
 
 
@@ -356,11 +358,15 @@ def test_rate_limit_reserves_max_tokens_so_a_burst_cannot_overspend(tiny_model_d
             burst = [c.post("/v1/chat/completions", json={**BODY, "max_tokens": 30}, headers=h) for _ in range(6)]
             return await asyncio.gather(*burst)
 
+    started = time.monotonic()
     codes = sorted(r.status_code for r in run(go()))
+    elapsed = time.monotonic() - started
     # 100 tokens hold three reservations of 30, not six
     assert codes == [200, 200, 200, 429, 429, 429]
     # what was not used went back: 3 × (5 prompt + 2 completion) spent of 100
-    assert app.state.gateway.admission.bucket("k1").level == pytest.approx(100 - 3 * 7, abs=3.0)  # plus a second of refill
+    # plus the refill of the time it took (100 per minute), bounded by measuring that time
+    level = app.state.gateway.admission.bucket("k1").level
+    assert 100 - 3 * 7 - 1e-6 <= level <= min(100.0, 100 - 3 * 7 + elapsed * 100 / 60) + 1e-6, (level, elapsed)
 
 
 def test_tokenize_runs_off_the_event_loop_and_counts_as_in_flight(tiny_model_dir, monkeypatch):
@@ -378,15 +384,16 @@ def test_tokenize_runs_off_the_event_loop_and_counts_as_in_flight(tiny_model_dir
         async with client_for(app) as c:
             tok = asyncio.create_task(c.post("/tokenize", json={"model": "tiny-llama", "prompt": "hello"}))
             await asyncio.sleep(0.1)
-            started = time.monotonic()
             health = await c.get("/health")
-            health_s = time.monotonic() - started
+            # answered while the tokenize call still blocks its thread: the loop was free
+            # (event order, not a time bound)
+            tokenize_still_running = not tok.done()
             second = await c.post("/tokenize", json={"model": "tiny-llama", "prompt": "hello"})
-            return await tok, health, health_s, second
+            return await tok, health, tokenize_still_running, second
 
-    tok, health, health_s, second = run(go())
+    tok, health, tokenize_still_running, second = run(go())
     assert tok.status_code == 200 and tok.json()["count"] > 0
-    assert health.status_code == 200 and health_s < 0.3
+    assert health.status_code == 200 and tokenize_still_running
     assert second.status_code == 429 and second.headers["retry-after"] == "1"
     assert gw.admission.inflight == 0
 
