@@ -246,7 +246,7 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
             raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
     dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet, affinity=affinity or {})
     from engine.model_loader import ensure_model, resolve_device
-    from shared.models import ModelNotAvailable
+    from shared.model_files import ModelNotAvailable
 
     try:  # PD_DEVICE=cuda without a GPU: refuse here, not in every model worker after the model loads
         resolve_device(settings.device)

@@ -21,7 +21,7 @@ import torch
 from engine.factory import build_engine
 from shared.config import Settings, SettingsError
 from shared.messages import SamplingParams
-from shared.models import ModelNotAvailable
+from shared.model_files import ModelNotAvailable
 from tests.integration.test_pipeline import chat_body
 from tests.pipeline_fixture import deployment
 from tests.unit.test_engine_vs_transformers import prompts_of, reference
