@@ -6,9 +6,8 @@
   of a group: element ``j`` low nibble, ``j + 16`` high), ``w = q * d + m``. Q4_1 gives
   ``d, m`` directly; Q4_0 (``w = (q - 8) d``) becomes ``m = -8 d``, exact in float32. The
   file's fp16 ``d`` and ``m`` widen to float32 exactly; nothing is rounded or re-quantized.
-* 8-bit (from Q8_0, or ``PD_WEIGHTS=int8`` for any float model): int8 codes, ``w = q * d``.
-  Q8_0's codes and scales are the file's. From float weights the rule is ggml's
-  ``quantize_row_q8_0``: ``d = max|w_group| / 127``, ``q = round(w / d)`` (error ≤ d / 2).
+* 8-bit (from Q8_0, or ``PD_WEIGHTS=int8`` for any float model, quantized to Q8_0 by
+  :func:`engine.weights.quantize_float`): int8 codes, ``w = q * d``, the file's codes and scales.
 
 Multiplication: up to :data:`KERNEL_MAX_ROWS` token rows, the AVX2 kernel in
 ``kernels/cpu/quant_linear.cpp`` (reads each weight byte once for all rows); above it (prefill),
@@ -75,15 +74,6 @@ class BlockLinear(torch.nn.Module):
             return cls(8, torch.from_numpy(np.ascontiguousarray(t.codes)), scale, None)
         minimum = -8 * scale if t.minimum is None else torch.from_numpy(np.ascontiguousarray(t.minimum))
         return cls(4, torch.from_numpy(pack_nibbles(t.codes)), scale, minimum)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockLinear:
-        """8-bit blocks from float weights ``[out, in]`` (``in`` a multiple of 32), by ggml's
-        Q8_0 rule (``d = max|w| / 127`` per group)."""
-        w = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
-        d = w.abs().amax(dim=-1) / 127
-        q = torch.round(w / torch.where(d > 0, d, 1)[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(8, q.reshape(weight.shape), d, None, None if bias is None else bias.detach().float())
 
     def dequantized(self) -> torch.Tensor:
         """float32 ``[out, in]``."""

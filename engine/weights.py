@@ -4,8 +4,8 @@
 * ``auto``: as stored in the source file. A folder converted from a GGUF file (its marker
   names the file) gets the file's Q4_0/Q4_1/Q8_0 tensors as :class:`~engine.quant.BlockLinear`
   (codes and scales as stored); a float folder stays float.
-* ``int8``: every linear layer as 8-bit blocks of 32 (Q8_0's rule), from the float weights
-  (any HF model).
+* ``int8``: every linear layer quantized to Q8_0 blocks (8 bits per weight, one scale per
+  32 inputs) by the ``gguf`` package's quantizer, from the float weights (any HF model).
 
 Embeddings stay float (a lookup reads one row per token); norms and other small tensors too.
 Quantized layers run on the CPU only; on CUDA every setting means float.
@@ -72,15 +72,26 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path) -> dict[str, int]:
     return counts
 
 
-def quantize_int8(model: torch.nn.Module) -> dict[str, int]:
-    """Replace every ``nn.Linear`` of ``model`` (input size a multiple of 32) with 8-bit
-    :class:`BlockLinear`."""
-    count = 0
+def quantize_float(model: torch.nn.Module, qtype: str = "Q8_0") -> dict[str, int]:
+    """Quantize every ``nn.Linear`` of float ``model`` (input size a multiple of 32) into GGUF
+    blocks of ``qtype`` with the ``gguf`` package's own quantizer (ggml's rules: Q8_0
+    ``d = max|w| / 127`` per 32 inputs), then serve them as :class:`BlockLinear` like a
+    GGUF file's tensors. ``PD_WEIGHTS=int8`` is ``Q8_0``; tests also use ``Q4_1``.
+    Returns counts per kind."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from engine.gguf_weights import split_blocks
+
+    counts = {"int4": 0, "int8": 0}
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
-            _set_module(model, name, BlockLinear.from_float(module.weight, module.bias))
-            count += 1
-    return {"int4": 0, "int8": count}
+            raw = quantize(module.weight.detach().float().numpy(), GGMLQuantizationType[qtype])
+            layer = BlockLinear.from_gguf(split_blocks(qtype, raw))
+            layer.bias = None if module.bias is None else module.bias.detach().float()
+            _set_module(model, name, layer)
+            counts["int4" if layer.bits == 4 else "int8"] += 1
+    return counts
 
 
 def apply_weights(model: torch.nn.Module, mode: str, folder: Path, device: torch.device) -> dict[str, int]:
@@ -96,7 +107,7 @@ def apply_weights(model: torch.nn.Module, mode: str, folder: Path, device: torch
     if mode == "float" or device.type != "cpu":
         return none
     if mode == "int8":
-        counts = quantize_int8(model)
+        counts = quantize_float(model, "Q8_0")
     else:
         source = gguf_source(folder)
         counts = quantize_from_gguf(model, source) if source is not None else none
