@@ -77,8 +77,8 @@ class Settings:
     weights: str = _doc(
         "auto, float or int8: how linear layers hold their weights on CPU. auto: as stored in "
         "the source file (the default GGUF model's 4-bit tensors stay 4-bit; a float folder "
-        "stays float); float: float matrices in PD_DTYPE; int8: per-channel int8 weights "
-        "from any float model.",
+        "stays float); float: float matrices in PD_DTYPE; int8: 8-bit "
+        "blocks (Q8_0: one scale per 32 inputs) from any float model.",
         default="auto",
     )
     device: str = _doc("auto, cpu or cuda. auto: cuda when available.", default="auto")
