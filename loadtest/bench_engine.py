@@ -230,6 +230,15 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if tied or t is not emb)
 
 
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters including quantized layers' weights; an input embedding the (quantized) LM
+    head no longer shares counts once, as in the float model."""
+    emb = model.get_input_embeddings().weight
+    tied = getattr(model.get_output_embeddings(), "weight", None) is emb
+    total = sum(p.numel() for p in model.parameters()) + quantized_weight_count(model)
+    return total if tied or not isinstance(model.get_output_embeddings(), torch.nn.Module) else total - emb.numel()
+
+
 def quantized_weight_count(model: torch.nn.Module) -> int:
     """Weights held by quantized layers (not parameters)."""
     from engine.quant import BlockLinear
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = ensure_model(settings)
     dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     probe = build(settings, kv_cache_memory_bytes=64 << 20)
-    params = sum(p.numel() for p in probe.model.parameters()) + quantized_weight_count(probe.model)
+    params = parameter_count(probe.model)
     weight_bytes = weight_bytes_read(probe.model)
     kv_per_token = probe.bytes_per_token
     attention = probe.runner.attention.__name__
