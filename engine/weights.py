@@ -8,7 +8,8 @@
   32 inputs) by the ``gguf`` package's quantizer, from the float weights (any HF model).
 
 Embeddings stay float (a lookup reads one row per token); norms and other small tensors too.
-Quantized layers run on the CPU only; on CUDA every setting means float.
+Quantized layers run on the CPU only; on CUDA every setting means float, and ``auto`` means
+float on a CPU where the block kernel is unavailable (no AVX2/FMA or no compiler).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.quant import BlockLinear
+from engine.quant import BlockLinear, _kernel
 from shared.logging import get_logger
 from shared.models import COMPLETE_MARKER
 
@@ -105,6 +106,9 @@ def apply_weights(model: torch.nn.Module, mode: str, folder: Path, device: torch
         raise ValueError(f"PD_WEIGHTS must be one of {WEIGHT_MODES}, not {mode!r}")
     none = {"int4": 0, "int8": 0}
     if mode == "float" or device.type != "cpu":
+        return none
+    if mode == "auto" and _kernel() is None:
+        log.warning("weights_stay_float", reason="no block kernel on this CPU; de-quantizing per call would be slower")
         return none
     if mode == "int8":
         counts = quantize_float(model, "Q8_0")

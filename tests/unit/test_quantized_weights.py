@@ -120,3 +120,46 @@ def test_weights_setting_float_keeps_float_and_int8_quantizes(tiny):
     assert isinstance(clone.lm_head, BlockLinear) and clone.lm_head.bits == 8
     with pytest.raises(ValueError):
         apply_weights(clone, "int3", folder, torch.device("cpu"))
+
+
+def test_auto_serves_a_gguf_sources_blocks_in_place_of_the_float_layers(tiny, tmp_path):
+    """A folder whose conversion marker names a GGUF file gets that file's blocks: every
+    projection of the tiny model, written as llama.cpp would (Q/K rows permuted), comes back
+    in transformers' row order with the file's values exactly."""
+    import json
+
+    from shared.models import COMPLETE_MARKER
+
+    folder, model, ids = tiny
+    config = model.config
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    expected = {}
+    for i, layer in enumerate(model.model.layers):
+        for module_name, short in names.items():
+            module = layer.self_attn if module_name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+            raw = quantize(getattr(module, module_name).weight.detach().numpy(), GGMLQuantizationType.Q4_1)
+            expected[f"model.layers.{i}.{'self_attn' if module is layer.self_attn else 'mlp'}.{module_name}"] = raw
+            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(short)
+            stored = _llama_cpp_permute(raw, heads) if heads else raw
+            writer.add_tensor(f"blk.{i}.{short}.weight", stored, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / COMPLETE_MARKER).write_text(json.dumps({"source": str(path)}))
+
+    clone = quantized_copy(model, "float", folder)
+    assert apply_weights(clone, "auto", served, torch.device("cpu")) == {"int4": 14, "int8": 0}
+    for name, raw in expected.items():
+        layer = clone.get_submodule(name)
+        assert isinstance(layer, BlockLinear) and layer.bits == 4
+        reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32))
+        assert torch.equal(layer.dequantized(), reference), name
+    assert not isinstance(clone.lm_head, BlockLinear)  # no output/token_embd tensor in the file: stays float
+    quality = compare(model, clone, ids)
+    assert quality.top1_agreement >= BOUNDS["Q4_1"][0]
