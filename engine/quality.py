@@ -45,8 +45,7 @@ def chunked_logits(model: torch.nn.Module, token_ids: list[int], chunk: int = 16
     out = []
     for start in range(0, ids.shape[1], chunk):
         piece = ids[:, start : start + chunk]
-        res = model(input_ids=piece, past_key_values=cache, use_cache=True)
-        cache = res.past_key_values
+        res = model(input_ids=piece, cache=cache, use_cache=True)
         out.append(res.logits[0].float())
     return torch.cat(out)
 
