@@ -44,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: torch.dtype | None = None
     attention_backend: str = "auto"
+    weights: str = "float"  # PD_WEIGHTS: float, auto (as stored in the source file) or int8
 
 
 @dataclass(slots=True)
@@ -131,6 +132,10 @@ class LLMEngine:
 
         register_attention()
         model = load_model(folder, dtype, device, ATTN_IMPLEMENTATION)
+        if config.weights != "float":
+            from engine.weights import apply_weights
+
+            apply_weights(model, config.weights, folder, device)
         return cls(model, config, eos_token_ids=eos_ids_of(model))
 
     # --- properties ---------------------------------------------------------------------

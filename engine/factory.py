@@ -27,6 +27,7 @@ def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> Engin
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_dtype=kv_dtype,
         attention_backend=settings.attention_backend,
+        weights=settings.weights,
     )
 
 
@@ -49,5 +50,6 @@ def build_engine(settings: Settings) -> LLMEngine:
         attention=engine.runner.attention.__name__,
         max_model_len=engine.max_model_len,
         torch_threads=torch.get_num_threads(),
+        weights=settings.weights,
     )
     return engine

@@ -74,6 +74,13 @@ class Settings:
         "(AVX512-BF16 or AMX) or on CUDA, else float32.",
         default="auto",
     )
+    weights: str = _doc(
+        "auto, float or int8: how linear layers hold their weights on CPU. auto: as stored in "
+        "the source file (the default GGUF model's 4-bit tensors stay 4-bit; a float folder "
+        "stays float); float: float matrices in PD_DTYPE; int8: 8-bit "
+        "blocks (Q8_0: one scale per 32 inputs) from any float model.",
+        default="auto",
+    )
     device: str = _doc("auto, cpu or cuda. auto: cuda when available.", default="auto")
     torch_threads: int = _doc("Torch intra-op threads per model worker; 0 = torch's default.", default=0)
     cpu_affinity: str = _doc(
@@ -258,6 +265,8 @@ class Settings:
             raise SettingsError(f"PD_KV_STORE must be shm or redis, not {self.kv_store!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SettingsError(f"PD_DTYPE must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.weights not in ("auto", "float", "int8"):
+            raise SettingsError(f"PD_WEIGHTS must be auto, float or int8, not {self.weights!r}")
         if self.routing not in ("disaggregated", "aggregated", "conditional"):
             raise SettingsError(f"PD_ROUTING must be disaggregated, aggregated or conditional, not {self.routing!r}")
         if self.cpu_affinity:

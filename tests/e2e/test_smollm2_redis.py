@@ -24,7 +24,7 @@ def smollm2(tmp_path_factory, nats_url, redis_url):
 
     folder = ensure_model(Settings.from_env({}))  # the default cache folder, shared with `make run`
     ns = f"e2e{uuid.uuid4().hex[:8]}"
-    with deployment(tmp_path_factory.mktemp("e2e"), "", ns, kv_store="redis", redis_url=redis_url, dtype="float32",
+    with deployment(tmp_path_factory.mktemp("e2e"), "", ns, kv_store="redis", redis_url=redis_url, dtype="float32", weights="float",
                     cache_dir=str(folder.parent.parent), kv_cache_memory_bytes=256 << 20) as dep:
         yield dep, folder
 

@@ -1,0 +1,120 @@
+"""Weight-only quantized linear layers for the CPU, holding GGUF's 32-element blocks as stored.
+
+:class:`BlockLinear` keeps per-32-input groups of codes and float32 scales:
+
+* 4-bit (from Q4_0 / Q4_1): the file's codes, unchanged and packed as in the file (byte ``j``
+  of a group: element ``j`` low nibble, ``j + 16`` high), ``w = q * d + m``. Q4_1 gives
+  ``d, m`` directly; Q4_0 (``w = (q - 8) d``) becomes ``m = -8 d``, exact in float32. The
+  file's fp16 ``d`` and ``m`` widen to float32 exactly; nothing is rounded or re-quantized.
+* 8-bit (from Q8_0, or ``PD_WEIGHTS=int8`` for any float model, quantized to Q8_0 by
+  :func:`engine.weights.quantize_float`): int8 codes, ``w = q * d``, the file's codes and scales.
+
+Multiplication: up to :data:`KERNEL_MAX_ROWS` token rows, the AVX2 kernel in
+``kernels/cpu/quant_linear.cpp`` (reads each weight byte once for all rows); above it (prefill),
+the layer de-quantizes to float32 for that call and uses torch's GEMM, where the compute
+dominates. Why not torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``: on this
+AVX2-only EPYC they ran 10-50x slower than a float32 GEMV (vectorized for AVX-512 only), and
+``_weight_int8pack_mm`` takes one scale per output row, which cannot hold Q8_0's per-32
+scales. The figures are in docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from engine.gguf_weights import GROUP, QuantTensor
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+#: Token rows up to which the block kernel runs (measured on the AVX2 EPYC, one thread, vs
+#: fp32 GEMV / de-quantize + GEMM: 1 row 1.4-4x faster, 8 rows 1.3-4x, 32 rows 0.6-1.7x,
+#: 64 rows 0.8-1.4x, 128 rows 0.4-0.9x), so decode batches up to 64 use it, prefill does not.
+KERNEL_MAX_ROWS = 64
+
+
+@functools.cache
+def _kernel():
+    """The block kernel's extension, or ``None`` (no AVX2/FMA, or no compiler: the layers then
+    de-quantize per call, correct but slower; logged once)."""
+    from kernels.cpu import quant
+
+    if not quant.available():
+        return None
+    try:
+        return quant.load()
+    except Exception as exc:  # a failed build must not stop serving
+        log.warning("quant_kernel_unavailable", error=str(exc))
+        return None
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """uint8 ``[N, K]`` codes in 0..15 → ``[N, K / 2]`` bytes in GGUF's in-group order."""
+    n, k = codes.shape
+    g = codes.astype(np.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+class BlockLinear(torch.nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` in 32-input blocks; see the module docstring.
+
+    Args:
+        bits: 4 or 8.
+        codes: 4-bit: uint8 ``[out, in / 2]`` packed; 8-bit: int8 ``[out, in]``.
+        scale: float32 ``[out, in / 32]`` (``d``); minimum: float32 ``[out, in / 32]`` (``m``,
+            4-bit only).
+        bias: optional float ``[out]``.
+    """
+
+    def __init__(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.bits = bits
+        self.out_features = codes.shape[0]
+        self.in_features = scale.shape[1] * GROUP
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("minimum", minimum.float().contiguous() if minimum is not None else torch.empty(0))
+        self.bias = bias
+
+    @classmethod
+    def from_gguf(cls, t: QuantTensor) -> BlockLinear:
+        """From a Q4_0, Q4_1 or Q8_0 tensor, codes and scales as stored."""
+        scale = torch.from_numpy(np.ascontiguousarray(t.scale))
+        if t.qtype == "Q8_0":
+            return cls(8, torch.from_numpy(np.ascontiguousarray(t.codes)), scale, None)
+        minimum = -8 * scale if t.minimum is None else torch.from_numpy(np.ascontiguousarray(t.minimum))
+        return cls(4, torch.from_numpy(pack_nibbles(t.codes)), scale, minimum)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 ``[out, in]``."""
+        ext = _kernel()
+        if ext is not None:
+            if self.bits == 4:
+                return ext.q4_dequantize(self.codes, self.scale, self.minimum)
+            return ext.q8_dequantize(self.codes, self.scale, self.minimum)
+        if self.bits == 4:
+            g = self.codes.reshape(self.out_features, -1, 1, GROUP // 2)
+            q = torch.cat([g & 0x0F, g >> 4], dim=2).reshape(self.out_features, -1, GROUP).float()
+            w = q * self.scale[..., None] + self.minimum[..., None]
+        else:
+            w = self.codes.reshape(self.out_features, -1, GROUP).float() * self.scale[..., None]
+        return w.reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        ext = _kernel()
+        if ext is not None and flat.shape[0] <= KERNEL_MAX_ROWS and x.device.type == "cpu":
+            kernel = ext.q4_linear if self.bits == 4 else ext.q8_linear
+            out = kernel(flat, self.codes, self.scale, self.minimum)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = torch.nn.functional.linear(flat, self.dequantized(), self.bias)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit blocks of {GROUP}"
