@@ -21,7 +21,7 @@ import torch
 
 from engine.quant import BlockLinear, _kernel
 from shared.logging import get_logger
-from shared.models import COMPLETE_MARKER
+from shared.model_files import COMPLETE_MARKER
 
 log = get_logger(__name__)
 

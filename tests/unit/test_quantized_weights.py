@@ -128,7 +128,7 @@ def test_auto_serves_a_gguf_sources_blocks_in_place_of_the_float_layers(tiny, tm
     in transformers' row order with the file's values exactly."""
     import json
 
-    from shared.models import COMPLETE_MARKER
+    from shared.model_files import COMPLETE_MARKER
 
     folder, model, ids = tiny
     config = model.config
