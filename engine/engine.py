@@ -44,6 +44,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: torch.dtype | None = None
     attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    kv_pinned_buffer_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -115,7 +118,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // (self.bytes_per_token * config.block_size))
         self.max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
         self.kv_cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
-                                     self.kv_dtype, self.device, config.model_id)
+                                     self.kv_dtype, self.device, config.model_id, config.kv_pinned_buffer_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_tokens)
