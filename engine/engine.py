@@ -123,6 +123,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
+        if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention.__name__ == "kernels.triton":
+            sizes = [s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs]
+            if sizes:
+                self.runner.enable_cuda_graphs(sizes, -(-self.max_model_len // config.block_size))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
