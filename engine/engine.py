@@ -124,12 +124,24 @@ class LLMEngine:
                                    config.max_prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
         if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention.__name__ == "kernels.triton":
-            sizes = [s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs]
-            if sizes:
-                self.runner.enable_cuda_graphs(sizes, -(-self.max_model_len // config.block_size))
+            self._enable_cuda_graphs()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
+
+    def _enable_cuda_graphs(self) -> None:
+        """Capture decode graphs for the configured batch sizes; a capture that fails (an
+        operation of the model that cannot be captured) leaves decode eager, with a warning."""
+        from shared.logging import get_logger
+
+        sizes = [s for s in self.config.cuda_graph_batch_sizes if s <= self.config.max_num_seqs]
+        if not sizes:
+            return
+        try:
+            self.runner.enable_cuda_graphs(sizes, -(-self.max_model_len // self.config.block_size))
+        except Exception as exc:
+            self.runner.graphs = None
+            get_logger(__name__).warning("cuda_graphs_disabled", error=f"{type(exc).__name__}: {str(exc)[:300]}")
 
     @classmethod
     def load(cls, folder, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LLMEngine:

@@ -5,7 +5,7 @@
     pdserve status
     pdserve convert
     pdserve settings
-    pdserve bench {pipeline,bus}
+    pdserve bench {pipeline,bus,engine,modes,load,gpu}
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _bench(module: str):
 
 #: ``pdserve bench <name> [options]``: each benchmark parses its own options.
 BENCHMARKS = {"pipeline": _bench("bench_pipeline"), "bus": _bench("bench_bus"), "engine": _bench("bench_engine"),
-              "modes": _bench("bench_modes"), "load": _bench("loadgen")}
+              "modes": _bench("bench_modes"), "load": _bench("loadgen"), "gpu": _bench("bench_gpu")}
 
 
 def cmd_chaos(args) -> int:
