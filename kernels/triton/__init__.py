@@ -70,9 +70,9 @@ def _upcast(query: torch.Tensor) -> bool:
     return query.device.type != "cuda" and query.dtype == torch.bfloat16
 
 
-def _precision(query: torch.Tensor) -> str:
-    # fp32 products stay fp32 ("ieee", not tf32); for 16-bit inputs the setting has no effect
-    return "ieee" if query.dtype == torch.float32 or _upcast(query) else "tf32"
+def _precision(query: torch.Tensor) -> str | None:
+    # fp32 products stay fp32 ("ieee", not tf32); 16-bit inputs keep Triton's default
+    return "ieee" if query.dtype == torch.float32 or _upcast(query) else None
 
 
 @functools.cache
