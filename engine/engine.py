@@ -45,6 +45,9 @@ class EngineConfig:
     kv_cache_dtype: torch.dtype | None = None
     attention_backend: str = "auto"
     weights: str = "float"  # PD_WEIGHTS: float, auto (as stored in the source file) or int8
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    kv_pinned_buffer_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -116,14 +119,30 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // (self.bytes_per_token * config.block_size))
         self.max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
         self.kv_cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
-                                     self.kv_dtype, self.device, config.model_id)
+                                     self.kv_dtype, self.device, config.model_id, config.kv_pinned_buffer_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
+        if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention.__name__ == "kernels.triton":
+            self._enable_cuda_graphs()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
+
+    def _enable_cuda_graphs(self) -> None:
+        """Capture decode graphs for the configured batch sizes; a capture that fails (an
+        operation of the model that cannot be captured) leaves decode eager, with a warning."""
+        from shared.logging import get_logger
+
+        sizes = [s for s in self.config.cuda_graph_batch_sizes if s <= self.config.max_num_seqs]
+        if not sizes:
+            return
+        try:
+            self.runner.enable_cuda_graphs(sizes, -(-self.max_model_len // self.config.block_size))
+        except Exception as exc:
+            self.runner.graphs = None
+            get_logger(__name__).warning("cuda_graphs_disabled", error=f"{type(exc).__name__}: {str(exc)[:300]}")
 
     @classmethod
     def load(cls, folder, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LLMEngine:

@@ -7,7 +7,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.model_loader import ensure_model, resolve_device, resolve_dtype
-from shared.config import Settings
+from shared.config import Settings, parse_batch_sizes
 from shared.logging import get_logger
 from shared.model_files import served_model_name
 
@@ -28,6 +28,9 @@ def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> Engin
         kv_cache_dtype=kv_dtype,
         attention_backend=settings.attention_backend,
         weights=settings.weights,
+        cuda_graphs=settings.cuda_graphs,
+        cuda_graph_batch_sizes=tuple(parse_batch_sizes(settings.cuda_graph_batch_sizes)),
+        kv_pinned_buffer_bytes=settings.kv_pinned_buffer_bytes,
     )
 
 

@@ -5,8 +5,8 @@ head_dim]`` (index 0 of the second axis is K, 1 is V). A block exported to the s
 ``[num_layers, 2, n, num_kv_heads, head_dim]`` slice of one block id (``n = block_size`` for
 full blocks, fewer for a prompt's tail), as raw bytes in the cache dtype.
 
-On CUDA, blocks go to and from the store through a pinned host buffer with non-blocking
-copies; on CPU they are plain copies.
+On CUDA, blocks go to and from the store through pinned host buffers allocated once, with
+non-blocking copies on a side stream (``engine.kv_staging``); on CPU they are plain copies.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class PagedKVCache:
         block_size: tokens per block.
         dtype, device: of the cache.
         model_id: goes into the exported layout, so only the same model reads the blocks.
+        pinned_buffer_bytes: CUDA only: pinned host memory for staging blocks
+            (``PD_KV_PINNED_BUFFER_BYTES``).
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         model_id: str,
+        pinned_buffer_bytes: int = 256 << 20,
     ):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -49,6 +52,11 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device
         self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.staging = None
+        if self.device.type == "cuda":
+            from engine.kv_staging import KVStaging
+
+            self.staging = KVStaging(self.kv, pinned_buffer_bytes)
         self.layout = KVLayout(
             model_id=model_id,
             dtype=str(dtype).removeprefix("torch."),
@@ -84,16 +92,12 @@ class PagedKVCache:
         """
         if not block_ids:
             return []
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        # [L, 2, n_blocks, bs, KVH, D] -> [n_blocks, L, 2, bs, KVH, D]
-        data = self.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5)
-        if self.device.type == "cuda":
-            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-            host.copy_(data, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            data = host
+        if self.staging is not None:
+            data = self.staging.export_blocks(block_ids)
         else:
-            data = data.contiguous()
+            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            # [L, 2, n_blocks, bs, KVH, D] -> [n_blocks, L, 2, bs, KVH, D]
+            data = self.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
         out = []
         for i in range(len(block_ids)):
             block = data[i]
@@ -117,13 +121,14 @@ class PagedKVCache:
         expected *= self.kv.element_size()
         if len(data) != expected:
             raise ValueError(f"KV block has {len(data)} bytes, layout needs {expected}")
+        if self.staging is not None:
+            self.staging.import_block(block_id, data, n)
+            self.staging.wait()
+            return
         with warnings.catch_warnings():  # read-only bytes: we only read them
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(data, dtype=torch.uint8)
-        src = src.view(self.dtype).view(shape)
-        if self.device.type == "cuda":
-            src = src.pin_memory().to(self.device, non_blocking=True)
-        self.kv[:, :, block_id, :n].copy_(src)
+        self.kv[:, :, block_id, :n].copy_(src.view(self.dtype).view(shape))
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:

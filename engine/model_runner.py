@@ -148,6 +148,30 @@ class ModelRunner:
         self.attention = kernels.select(self.device.type, attention_backend, kv_dtype)
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
+
+    def enable_cuda_graphs(self, batch_sizes: Seq[int], max_blocks_per_seq: int, capture=None) -> None:
+        """Capture decode steps as CUDA graphs, one per batch size (see ``engine.cuda_graphs``).
+
+        Needs an attention backend whose ``write_kv`` skips negative slots (Triton's).
+        ``capture`` defaults to the real CUDA capture; tests pass a stand-in.
+        """
+        from engine.cuda_graphs import DecodeGraphs, cuda_capture
+
+        def make_meta(slot_mapping, block_tables, context_lens):
+            return AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=slot_mapping,
+                                     num_decode_tokens=slot_mapping.shape[0], decode_block_tables=block_tables,
+                                     decode_context_lens=context_lens, attention=self.attention)
+
+        self.graphs = DecodeGraphs(self._decode_forward, make_meta, batch_sizes, max_blocks_per_seq, self.device,
+                                   capture or cuda_capture(self.device))
+        with torch.inference_mode():
+            self.graphs.capture_all()
+
+    def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False,
+                         logits_to_keep=0, pd_attn=meta)
+        return out.logits[0]
 
     def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -208,16 +232,21 @@ class ModelRunner:
         keep = torch.tensor([logits_index[i] for i, item in enumerate(batch) if item.samples], dtype=torch.long, device=self.device)
         if not sampled:
             keep = keep[:0]
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=pos.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=keep if sampled else torch.tensor([0], device=self.device),
-            pd_attn=meta,
-        )
-        if not sampled:
-            return StepResult([], [], [])
-        logits = out.logits[0]  # [num_sampled, vocab]
+        logits = None
+        if self.graphs is not None and not meta.prefills and sampled:
+            logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+            logits = logits[keep] if logits is not None else None
+        if logits is None:
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=pos.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=keep if sampled else torch.tensor([0], device=self.device),
+                pd_attn=meta,
+            )
+            if not sampled:
+                return StepResult([], [], [])
+            logits = out.logits[0]  # [num_sampled, vocab]
         rows = [SamplingRow(it.seq.sampling, it.seq.prompt_token_ids, it.seq.output_token_ids) for it in sampled]
         token_ids, logprobs = sample(logits, rows)
         return StepResult(token_ids, logprobs, sampled)

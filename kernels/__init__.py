@@ -1,8 +1,8 @@
 """Attention kernels over the paged KV cache.
 
 ``kernels.attention`` is the pure-PyTorch reference (runs anywhere, defines the semantics);
-``kernels.cpu`` is a C++ decode kernel for CPUs with the same signatures. :func:`select`
-picks one per device and setting.
+``kernels.cpu`` is a C++ decode kernel for CPUs and ``kernels.triton`` Triton kernels for
+CUDA GPUs, with the same signatures. :func:`select` picks one per device and setting.
 """
 
 from __future__ import annotations
@@ -21,16 +21,20 @@ CPU_KERNEL_KV_DTYPES = ("float32", "bfloat16")
 def select(device_type: str, backend: str = "auto", kv_dtype: str | None = None) -> ModuleType:
     """The attention implementation for a device type ("cpu" or "cuda").
 
-    ``backend``: "reference", "cpu" (the C++ kernel) or "auto" (the C++ kernel on CPU when it
-    builds and reads ``kv_dtype``, else the reference). ``kv_dtype``: the KV cache's dtype name
-    ("float32", "bfloat16", "float16"; None: not known, assumed readable).
+    ``backend``: "reference", "cpu" (the C++ kernel), "triton" (CUDA only) or "auto" (on CPU
+    the C++ kernel when it builds and reads ``kv_dtype``, on CUDA the Triton kernels when triton
+    is installed, else the reference). ``kv_dtype``: the KV cache's dtype name ("float32",
+    "bfloat16", "float16"; None: not known, assumed readable).
 
     Raises:
         ValueError: ``backend="cpu"`` with a KV dtype the kernel does not read.
-        RuntimeError: ``backend="cpu"`` and the kernel does not build.
+        RuntimeError: the backend asked for cannot run on this device (``cpu`` that does not
+            build, ``triton`` without CUDA or triton).
     """
     from kernels import attention
 
+    if backend == "triton" or (backend == "auto" and device_type == "cuda"):
+        return _triton_or(attention, device_type, required=backend == "triton")
     if backend == "reference" or device_type != "cpu":
         return attention
     if kv_dtype is not None and kv_dtype not in CPU_KERNEL_KV_DTYPES:
@@ -50,3 +54,16 @@ def select(device_type: str, backend: str = "auto", kv_dtype: str | None = None)
                                "use PD_ATTENTION_BACKEND=auto or reference") from exc
         log.warning("cpu_kernel_unavailable_using_reference", error=str(exc)[:500])
         return attention
+
+
+def _triton_or(fallback: ModuleType, device_type: str, required: bool) -> ModuleType:
+    import importlib.util
+
+    if device_type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from kernels import triton as triton_kernels
+
+        return triton_kernels
+    if required:
+        raise RuntimeError("PD_ATTENTION_BACKEND=triton needs a CUDA device and the triton package")
+    log.warning("triton_unavailable_using_reference")
+    return fallback

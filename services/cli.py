@@ -5,7 +5,7 @@
     pdserve status
     pdserve convert
     pdserve settings
-    pdserve bench {pipeline,bus,engine,modes,load}   (from loadtest/, see COMMANDS_GROUP)
+    pdserve bench {pipeline,bus,engine,modes,load,gpu} (from loadtest/, see COMMANDS_GROUP)
     pdserve chaos                                    (from loadtest/)
 """
 

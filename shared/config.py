@@ -41,6 +41,15 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
+def parse_batch_sizes(spec: str) -> list[int]:
+    """``"1,2,4"`` → ``[1, 2, 4]`` (sorted, unique); ``[]`` when any entry is not a positive integer."""
+    try:
+        sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        return []
+    return sizes if sizes and sizes[0] > 0 else []
+
+
 def _doc(text: str, **kwargs: typing.Any) -> typing.Any:
     return field(metadata={"doc": text}, **kwargs)
 
@@ -93,10 +102,28 @@ class Settings:
         default="auto",
     )
     attention_backend: str = _doc(
-        "auto, reference or cpu. auto: the C++ paged-attention kernel on CPU when it builds "
-        "(first use compiles it, about 40 s) and the KV cache is float32 or bfloat16, else the "
-        "pure-PyTorch reference. cpu: the C++ kernel or a refusal at start.",
+        "auto, reference, cpu or triton. auto: on CPU the C++ paged-attention kernel when it builds "
+        "(first use compiles it, about 40 s) and the KV cache is float32 or bfloat16, on CUDA the "
+        "Triton kernels when triton is installed, else the pure-PyTorch reference. cpu: the C++ "
+        "kernel or a refusal at start. triton needs CUDA.",
         default="auto",
+    )
+    cuda_graphs: bool = _doc(
+        "On CUDA with the triton attention backend: capture the decode step as CUDA graphs at "
+        "start, one per batch size in PD_CUDA_GRAPH_BATCH_SIZES, and replay them (a batch is padded "
+        "to the next size). Larger batches and steps with a prefill run eagerly. Ignored on CPU.",
+        default=True,
+    )
+    cuda_graph_batch_sizes: str = _doc(
+        "Comma-separated decode batch sizes captured as CUDA graphs; sizes above PD_MAX_NUM_SEQS "
+        "are dropped.",
+        default="1,2,4,8,16,32,64,128",
+    )
+    kv_pinned_buffer_bytes: int = _doc(
+        "On CUDA: pinned host memory each model worker allocates once to stage KV blocks between "
+        "its GPU pool and the KV store (copies on a side stream; buffers reused across requests). "
+        "Ignored on CPU.",
+        default=256 << 20,
     )
 
     # --- engine -------------------------------------------------------------------------
@@ -276,8 +303,14 @@ class Settings:
                 raise SettingsError(f"PD_CPU_AFFINITY must be a CPU list like 0 or 0-3, not {self.cpu_affinity!r}") from None
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SettingsError(f"PD_KV_CACHE_DTYPE must be auto, float32, bfloat16 or float16, not {self.kv_cache_dtype!r}")
-        if self.attention_backend not in ("auto", "reference", "cpu"):
-            raise SettingsError(f"PD_ATTENTION_BACKEND must be auto, reference or cpu, not {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "reference", "cpu", "triton"):
+            raise SettingsError(
+                f"PD_ATTENTION_BACKEND must be auto, reference, cpu or triton, not {self.attention_backend!r}")
+        if not parse_batch_sizes(self.cuda_graph_batch_sizes):
+            raise SettingsError(
+                f"PD_CUDA_GRAPH_BATCH_SIZES must be positive integers like 1,2,4,8, not {self.cuda_graph_batch_sizes!r}")
+        if self.kv_pinned_buffer_bytes <= 0:
+            raise SettingsError(f"PD_KV_PINNED_BUFFER_BYTES must be > 0, not {self.kv_pinned_buffer_bytes}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise SettingsError(f"PD_DEVICE must be auto, cpu or cuda, not {self.device!r}")
         kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

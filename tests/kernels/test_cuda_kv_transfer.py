@@ -48,21 +48,26 @@ def test_gpu_blocks_are_byte_identical_to_cpu_blocks():
     assert torch.equal(back.kv[:, :, 1], gpu.kv[:, :, 3])
 
 
-def test_import_does_not_wait_for_the_copy_to_land(monkeypatch):
-    """Host-to-device copies go through pinned memory with non_blocking=True."""
+def test_copies_go_through_the_pinned_pool_without_host_waits(monkeypatch):
+    """Host-to-device copies read pinned pool slots with non_blocking=True, and no new pinned
+    memory is allocated per request."""
     seen = []
-    real = torch.Tensor.to
+    real = torch.Tensor.copy_
 
-    def spy(self, *args, **kwargs):
-        if kwargs.get("non_blocking"):
-            seen.append(self.is_pinned())
-        return real(self, *args, **kwargs)
+    def spy(self, src, non_blocking=False):
+        if self.is_cuda and not src.is_cuda:
+            seen.append((src.is_pinned(), non_blocking))
+        return real(self, src, non_blocking)
 
-    monkeypatch.setattr(torch.Tensor, "to", spy)
     src = _pool(torch.device("cpu"))
     pool = _pool(CUDA)
+    assert pool.staging is not None and pool.staging.pool.memory.is_pinned()
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
     pool.import_block(0, src.export_blocks([0])[0])
-    assert seen == [True]
+    assert seen == [(True, True)]
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert torch.equal(pool.kv[:, :, 0].cpu(), src.kv[:, :, 0])
 
 
 def test_engine_on_cuda_matches_generate(tiny_model_dir):

@@ -1,0 +1,19 @@
+"""The engine on the Triton kernels against transformers' generate (cases in
+``triton_cases_engine.py``), under Triton's interpreter in a child process on CPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.kernels.triton_env import in_process, run_cases_in_interpreter
+
+if in_process():
+    from tests.kernels.triton_cases_engine import *  # noqa: F403
+else:
+
+    @pytest.mark.timeout(400)
+    def test_triton_engine_under_interpreter():
+        out = run_cases_in_interpreter("triton_cases_engine.py", timeout_s=380)
+        assert re.search(r"\b\d+ passed\b", out) and " failed" not in out
