@@ -60,8 +60,6 @@ from shared.timeline import now_mark
 from shared.tracing import start_span
 
 log = get_logger("gateway")
-#: Tokens reserved from a key's rate-limit bucket for a choice without an explicit max_tokens.
-DEFAULT_RESERVATION = 256
 
 KEEPALIVE_S = 15.0
 #: Timelines kept for /debug/timeline.
@@ -187,9 +185,7 @@ class Gateway:
         )
 
     def _meta(self, request_id: str, now: float, req, tenant: str) -> RequestMeta:
-        salt = req.cache_salt or ""
-        if tenant:
-            salt = f"{Admission.tenant_salt(tenant)}:{salt}"
+        salt = self.admission.cache_salt(tenant, req.cache_salt)
         return RequestMeta(
             request_id=request_id,
             reply_to=self.client.inbox,
@@ -267,12 +263,8 @@ class Gateway:
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
-        # the token budget a request takes up front: its max_tokens, or, when the client left
-        # it to the default (the rest of the context), a typical answer's worth
-        reserved = sum(min(c.task.sampling.max_tokens, DEFAULT_RESERVATION) if c.task.max_tokens_is_default
-                       else c.task.sampling.max_tokens for c in choices)
-        try:
-            self.admission.admit(tenant, self.client.queued, reserved)
+        try:  # per-key limits: reserves the prompt and max_tokens; settled in _end
+            ticket = await self.admission.admit(tenant, self.client.queued, choices, self.prompts)
         except Overloaded as exc:
             self.metrics["rejected"].labels(exc.code or "overloaded").inc()
             raise
@@ -293,8 +285,7 @@ class Gateway:
             c.task.meta, headers=gateway_span.headers))) for c in choices]
         run = RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
                          on_tick=on_tick, first_token_timeout_s=self.settings.first_token_timeout_s)
-        run.tenant = tenant  # type: ignore[attr-defined]
-        run.reserved_tokens = reserved  # type: ignore[attr-defined]
+        run.ticket = ticket  # type: ignore[attr-defined]
         run.timeline = Timeline(request_id, [("gateway.received", received_at), published])  # type: ignore[attr-defined]
         run.span = gateway_span  # type: ignore[attr-defined]
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
@@ -315,12 +306,13 @@ class Gateway:
         self.admission.inflight += 1
         self.metrics["in_flight"].inc()
 
-    def _end(self, run: RequestRun) -> None:
+    def _end(self, run: RequestRun, outcome: str | None = None) -> None:
         self.admission.inflight -= 1
         self.metrics["in_flight"].dec()
         self.metrics["output_tokens"].inc(sum(c.num_tokens for c in run.choices))
-        used = sum(c.num_prompt_tokens + c.num_tokens for c in run.choices)
-        self.admission.charge(getattr(run, "tenant", ""), used, getattr(run, "reserved_tokens", 0))
+        if outcome is None:
+            outcome = "ok" if all(c.finished for c in run.choices) else "error"
+        self.admission.settle(getattr(run, "ticket", None), run.choices, outcome)
 
     async def _complete(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
         self._begin()
@@ -383,7 +375,7 @@ class Gateway:
                 exc_info = (type(exc), exc)
                 raise
             finally:
-                self._end(run)
+                self._end(run, outcome)
                 await run.__aexit__(exc_info[0], exc_info[1], None)
                 self._observe(endpoint, run, outcome)
 
@@ -455,9 +447,11 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(gw.load_model)
         await client.start()
+        gw.admission.start()  # SIGHUP reloads the keys file
         log.info("gateway_ready", url=f"http://{settings.gateway_host}:{settings.gateway_port}", model=gw.model_name,
                  instance=client.instance_id)
         yield
+        await gw.admission.stop()
         await client.stop()
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
@@ -574,6 +568,11 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
             err.status, err.type, err.code = 404, "invalid_request_error", "not_found"  # type: ignore[misc]
             raise err
         return tl.to_dict()
+
+    @app.get("/v1/usage")
+    async def usage(request: Request):
+        """Usage per API key name, summed over every gateway (admin key only)."""
+        return await gw.admission.usage_report(request.headers.get("authorization"))
 
     @app.get("/metrics")
     async def metrics():

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from services.gateway.app import create_app
+from services.gateway.keys import hash_key
+from services.gateway.openai_models import TokenizeRequest
 from shared.config import Settings
 from shared.messages import Accepted, ErrorEvent, TextChunk, TokenizeTask, Usage
 from shared.registry import WorkerRegistry
@@ -91,6 +93,9 @@ def texts(rid: str, pieces: list[str], finish: str = "stop", gap: float = 0.0) -
 
 def make(tiny_model_dir, script, **settings):
     stall = settings.pop("stall_timeout_s", 2.0)
+    # limits and usage in process (the shared Redis store has tests of its own, each in its
+    # own namespace, in test_tenant_gateway.py)
+    settings.setdefault("rate_limit_store", "local")
     s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=stall,
                           first_token_timeout_s=settings.pop("first_token_timeout_s", stall), **settings)
     fake = FakePipeline(script)
@@ -347,20 +352,25 @@ def test_client_disconnect_aborts_the_request(tiny_model_dir, stream):
 
 
 def test_rate_limit_reserves_max_tokens_so_a_burst_cannot_overspend(tiny_model_dir):
+    probe, _ = make(tiny_model_dir, lambda task: None)
+    chat = probe.state.gateway.tokenize(TokenizeRequest(model="tiny-llama", messages=BODY["messages"]))
+    size = chat["count"] + 30  # a request reserves its prompt and its max_tokens
+    limit = 3 * size + size // 2
     app, fake = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["a", "b"], gap=0.3), api_keys="k1",
-                     rate_limit_tokens_per_minute=100)
+                     rate_limit_tokens_per_minute=limit)
 
     async def go():
         async with client_for(app) as c:
             h = {"Authorization": "Bearer k1"}
             burst = [c.post("/v1/chat/completions", json={**BODY, "max_tokens": 30}, headers=h) for _ in range(6)]
-            return await asyncio.gather(*burst)
+            return await asyncio.gather(*burst), await app.state.gateway.admission.drain()
 
-    codes = sorted(r.status_code for r in run(go()))
-    # 100 tokens hold three reservations of 30, not six
+    codes = sorted(r.status_code for r in run(go())[0])
+    # the bucket holds three reservations, not six
     assert codes == [200, 200, 200, 429, 429, 429]
-    # what was not used went back: 3 × (5 prompt + 2 completion) spent of 100
-    assert app.state.gateway.admission.bucket("k1").level == pytest.approx(100 - 3 * 7, abs=3.0)  # plus a second of refill
+    # what was not used went back: 3 × (5 prompt + 2 completion) spent
+    bucket = app.state.gateway.admission.limits.local.bucket(f"key-{hash_key('k1')[:8]}", "tokens", limit, 60.0)
+    assert bucket.level == pytest.approx(limit - 3 * 7, abs=limit / 60)  # plus a second of refill
 
 
 def test_tokenize_runs_off_the_event_loop_and_counts_as_in_flight(tiny_model_dir, monkeypatch):
