@@ -12,7 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.gateway.keys import group_salt, hash_key, parse_keys_file
+from services.gateway.openai_models import TokenizeRequest
 from shared.config import Settings, SettingsError
+from shared.messages import Accepted
 from tests.pipeline_fixture import free_port
 from tests.unit.test_gateway import BODY, client_for, make, texts
 
@@ -193,3 +195,36 @@ def test_redis_down_policy(tiny_model_dir, policy, namespace):
         assert [r.status_code for r in responses] == [503, 503]
         error = responses[0].json()["error"]
         assert error["code"] == "rate_limiter_unavailable" and error["type"] == "server_error"
+
+
+@pytest.mark.parametrize("store", ["local", "redis"])
+def test_three_gateways_give_a_key_its_limit_once_with_redis_and_three_times_alone(tiny_model_dir, redis_url,
+                                                                                    namespace, store):
+    probe, _ = make(tiny_model_dir, lambda task: None)
+    size = probe.state.gateway.tokenize(TokenizeRequest(model="tiny-llama", messages=BODY["messages"]))["count"] + 8
+    limit = 2 * size + size // 2  # two requests fit
+
+    def exact(task):  # uses all it reserved: no refund lets a third in, however fast they finish
+        events = texts(task.meta.request_id, ["a"] * 8)
+        events[0] = (0.0, Accepted(request_id=task.meta.request_id, num_prompt_tokens=size - 8, max_tokens=8))
+        return events
+
+    apps = [make(tiny_model_dir, exact, api_keys="k1", rate_limit_tokens_per_minute=limit, rate_limit_store=store,
+                 rate_limit_window_s=3600.0, redis_url=redis_url, namespace=namespace)[0] for _ in range(3)]
+
+    async def go():
+        clients = [client_for(app) for app in apps]
+        try:
+            burst = [clients[i % 3].post("/v1/chat/completions", json=BODY, headers=auth("k1")) for i in range(12)]
+            return await asyncio.gather(*burst)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    try:
+        responses = run(go())
+    finally:
+        run(cleanup(redis_url, namespace))
+    ok = sum(r.status_code == 200 for r in responses)
+    print(f"\n[3 gateways, {store} store] limit={limit} request={size} tokens admitted={ok} requests")
+    assert ok == (2 if store == "redis" else 6)
