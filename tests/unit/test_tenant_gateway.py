@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from services.gateway.keys import group_salt, hash_key, parse_keys_file
 from services.gateway.openai_models import TokenizeRequest
@@ -149,6 +150,13 @@ def test_usage_endpoint_sums_two_gateways_and_needs_the_admin_key(tiny_model_dir
                   admin_api_key="sk-admin")
     (one, _), (two, _) = make(tiny_model_dir, answer, **common), make(tiny_model_dir, answer, **common)
 
+    def counted(name: str, labels: dict) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    alice_ok = {"key_name": "alice", "outcome": "ok"}
+    before = (counted("pd_gateway_key_requests_total", alice_ok),
+              counted("pd_gateway_key_tokens_total", {"key_name": "alice", "kind": "completion"}))
+
     async def go():
         async with client_for(one) as c1, client_for(two) as c2:
             for c in (c1, c2, c1):
@@ -174,6 +182,9 @@ def test_usage_endpoint_sums_two_gateways_and_needs_the_admin_key(tiny_model_dir
     assert rows["alice"]["completion_tokens"] == 6 and rows["alice"]["by_outcome"]["ok"]["requests"] == 3
     assert rows["bob"]["by_outcome"]["ok"]["requests"] == 1
     assert rows["bob"]["by_outcome"]["rate_limit_exceeded"]["requests"] == 1
+    # and each process's Prometheus counters (both gateways live in this one), labelled by name
+    assert counted("pd_gateway_key_requests_total", alice_ok) - before[0] == 3
+    assert counted("pd_gateway_key_tokens_total", {"key_name": "alice", "kind": "completion"}) - before[1] == 6
 
 
 @pytest.mark.parametrize("policy", ["open", "closed"])
