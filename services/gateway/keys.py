@@ -133,8 +133,11 @@ class KeyRing:
         self.checked_at = 0.0
         self.reload_asked = False
         if self.path is not None:
-            self.mtime_ns = self.path.stat().st_mtime_ns
-            self.file_keys = parse_keys_file(self.path, settings)
+            try:
+                self.mtime_ns = self.path.stat().st_mtime_ns
+                self.file_keys = parse_keys_file(self.path, settings)
+            except OSError as exc:
+                raise SettingsError(f"PD_KEYS_FILE={settings.keys_file!r}: {exc.strerror or exc}") from None
 
     @property
     def is_on(self) -> bool:

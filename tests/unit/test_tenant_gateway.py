@@ -239,3 +239,14 @@ def test_three_gateways_give_a_key_its_limit_once_with_redis_and_three_times_alo
     ok = sum(r.status_code == 200 for r in responses)
     print(f"\n[3 gateways, {store} store] limit={limit} request={size} tokens admitted={ok} requests")
     assert ok == (2 if store == "redis" else 6)
+
+
+def test_a_missing_or_invalid_keys_file_stops_the_gateway_at_start(tmp_path):
+    from services.gateway.keys import KeyRing
+
+    with pytest.raises(SettingsError, match="PD_KEYS_FILE"):
+        KeyRing(Settings.from_env({}, keys_file=str(tmp_path / "nope.yaml")))
+    (tmp_path / "dup.yaml").write_text(f"keys:\n  - name: a\n    sha256: {hash_key('x')}\n"
+                                       f"  - name: a\n    sha256: {hash_key('y')}\n")
+    with pytest.raises(SettingsError, match="twice"):
+        KeyRing(Settings.from_env({}, keys_file=str(tmp_path / "dup.yaml")))
