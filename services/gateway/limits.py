@@ -19,6 +19,11 @@ Concurrent requests are members of a sorted set scored by their lease's expiry: 
 taken with ``ZADD``, given back with ``ZREM``, renewed by the gateway every third of the lease
 while the request runs, and the members of a gateway that died expire with their leases.
 
+Why not the ``limits`` package: its strategies take a variable ``cost`` on ``hit`` but have no
+way to give tokens back (no settlement of the unused reservation) and no concurrency cap, so
+the reserve/settle pattern would not fit; redis-py's ``register_script`` (EVALSHA, EVAL on
+NOSCRIPT) carries the three short scripts below.
+
 :class:`LocalLimits` does the same arithmetic in process (one gateway, or the fail-open
 fallback); :class:`Limits` picks between the two and applies the failure policy.
 """
