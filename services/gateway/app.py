@@ -263,6 +263,7 @@ class Gateway:
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
+        responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
         try:  # per-key limits: reserves the prompt and max_tokens; settled in _end
             ticket = await self.admission.admit(tenant, self.client.queued, choices, self.prompts)
         except Overloaded as exc:
@@ -288,7 +289,6 @@ class Gateway:
         run.ticket = ticket  # type: ignore[attr-defined]
         run.timeline = Timeline(request_id, [("gateway.received", received_at), published])  # type: ignore[attr-defined]
         run.span = gateway_span  # type: ignore[attr-defined]
-        responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req, self.echo_texts(req))
         if not req.stream:
             return await self._complete(endpoint, run, responses)
         return await self._stream(endpoint, run, responses)

@@ -330,7 +330,8 @@ class Limits:
         self.local = LocalLimits()
         self.shared = RedisLimits(redis, settings.namespace, clock) if redis is not None else None
         self.down_until = 0.0
-        self.leases: dict[str, dict[str, str]] = {}  # key name -> request id -> store
+        # key name -> request id -> (store, monotonic time after which it is no longer renewed)
+        self.leases: dict[str, dict[str, tuple[str, float]]] = {}
         self._renewer: asyncio.Task | None = None
 
     def _shared_usable(self) -> bool:
@@ -373,7 +374,9 @@ class Limits:
             log.info("rate_limit_store_reachable")
             self.down_until = 0.0
         if quota.concurrent:
-            self.leases.setdefault(name, {})[request_id] = store
+            # no request outlives its deadline: a lease never settled (a bug) stops being renewed
+            renew_until = time.monotonic() + self.settings.request_timeout_s + self.settings.rate_limit_lease_s
+            self.leases.setdefault(name, {})[request_id] = (store, renew_until)
             self._ensure_renewer()
         return store
 
@@ -396,8 +399,11 @@ class Limits:
         lease_s = self.settings.rate_limit_lease_s
         while any(self.leases.values()):
             await asyncio.sleep(lease_s / 3)
+            now = time.monotonic()
             for name, held in list(self.leases.items()):
-                ids = [rid for rid, store in held.items() if store == "redis"]
+                for rid in [rid for rid, (_, until) in held.items() if until < now]:
+                    del held[rid]
+                ids = [rid for rid, (store, _) in held.items() if store == "redis"]
                 if ids:
                     try:
                         await self.shared.renew(name, ids, lease_s)

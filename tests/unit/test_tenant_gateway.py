@@ -250,3 +250,17 @@ def test_a_missing_or_invalid_keys_file_stops_the_gateway_at_start(tmp_path):
                                        f"  - name: a\n    sha256: {hash_key('y')}\n")
     with pytest.raises(SettingsError, match="twice"):
         KeyRing(Settings.from_env({}, keys_file=str(tmp_path / "dup.yaml")))
+
+
+def test_a_request_refused_for_bad_input_holds_no_concurrent_slot(tiny_model_dir):
+    app, _ = make(tiny_model_dir, answer, api_keys="k1", max_concurrent_requests_per_key=1)
+    bad = {"model": "tiny-llama", "prompt": [10 ** 6], "echo": True}  # a token id outside the vocabulary
+
+    async def go():
+        async with client_for(app) as c:
+            first = await c.post("/v1/completions", json=bad, headers=auth("k1"))
+            return first, await c.post("/v1/completions", json={**bad, "prompt": "hi"}, headers=auth("k1"))
+
+    first, second = run(go())
+    assert first.status_code == 400
+    assert second.status_code == 200, second.text
