@@ -71,6 +71,7 @@ ENDPOINT_LABELS = {
     "/detokenize": "detokenize",
     "/v1/models": "models",
     "/v1/models/{model_id:path}": "models",
+    "/v1/usage": "usage",
 }
 
 
