@@ -231,7 +231,41 @@ class Settings:
         default="",
     )
     rate_limit_tokens_per_minute: int = _doc(
-        "Prompt + completion tokens per API key per minute (token bucket); 0 = no limit.", default=0
+        "Prompt + completion tokens per API key per minute (token bucket, shared by all gateways "
+        "through Redis); a key in PD_KEYS_FILE may set its own. 0 = no limit.", default=0
+    )
+    rate_limit_requests_per_minute: int = _doc(
+        "Requests per API key per minute, across all gateways; a key in PD_KEYS_FILE may set its "
+        "own. 0 = no limit.", default=0
+    )
+    max_concurrent_requests_per_key: int = _doc(
+        "Requests one API key may have in flight at once, across all gateways; a key in "
+        "PD_KEYS_FILE may set its own. 0 = no limit.", default=0
+    )
+    rate_limit_window_s: float = _doc(
+        "Seconds in which a per-minute limit refills completely (the buckets hold one limit's "
+        "worth); 60 gives the plain per-minute meaning.", default=60.0
+    )
+    rate_limit_store: str = _doc(
+        "Where per-key limits and usage live: redis (shared by every gateway) or local (this "
+        "gateway only).", default="redis"
+    )
+    rate_limit_redis_url: str = _doc("Redis of the shared limits and usage; empty = PD_REDIS_URL.", default="")
+    rate_limit_failure_policy: str = _doc(
+        "When the limits' Redis is unreachable: open (each gateway enforces the limits alone, "
+        "logged once) or closed (requests get 503).", default="open"
+    )
+    rate_limit_lease_s: float = _doc(
+        "Lease of a concurrent-request slot in Redis, renewed while the request runs; the slots "
+        "of a gateway that dies free themselves after this long.", default=30.0
+    )
+    keys_file: str = _doc(
+        "YAML or TOML file of API keys (SHA-256 hashes, names, limits, cache_salt groups; see "
+        "docs/operations.md); re-read on change and on SIGHUP. Used with PD_API_KEYS.", default=""
+    )
+    keys_reload_interval_s: float = _doc("How often the gateway checks PD_KEYS_FILE for a change.", default=2.0)
+    admin_api_key: str = _doc(
+        "Key of the admin endpoints (GET /v1/usage); empty = they answer 403.", default=""
     )
 
     # --- workers ------------------------------------------------------------------------
@@ -320,6 +354,14 @@ class Settings:
                                 f"(PD_DTYPE={self.dtype}, PD_KV_CACHE_DTYPE={self.kv_cache_dtype}); use "
                                 "PD_ATTENTION_BACKEND=auto or reference, or PD_KV_CACHE_DTYPE=float32 or bfloat16")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"PD_{name.upper()} must be positive")
+        if self.rate_limit_store not in ("redis", "local"):
+            raise SettingsError(f"PD_RATE_LIMIT_STORE must be redis or local, not {self.rate_limit_store!r}")
+        if self.rate_limit_failure_policy not in ("open", "closed"):
+            raise SettingsError("PD_RATE_LIMIT_FAILURE_POLICY must be open or closed, "
+                                f"not {self.rate_limit_failure_policy!r}")
+        for name in ("rate_limit_window_s", "rate_limit_lease_s", "keys_reload_interval_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"PD_{name.upper()} must be positive")
         if not self.namespace.replace("_", "").replace("-", "").isalnum():

@@ -45,6 +45,7 @@ ENDPOINT_LABELS = {
     "/detokenize": "detokenize",
     "/v1/models": "models",
     "/v1/models/{model_id:path}": "models",
+    "/v1/usage": "usage",
 }
 BODIES = openapi_bodies()
 router = APIRouter()
@@ -138,6 +139,12 @@ async def ready(request: Request):
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
+@router.get("/v1/usage")
+async def usage(request: Request):
+    """Usage per API key name, summed over every gateway (admin key only)."""
+    return await gateway_of(request).admission.usage_report(request.headers.get("authorization"))
+
+
 @router.get("/debug/timeline/{request_id}")
 async def timeline(request_id: str, request: Request):
     """Where one recent request spent its time (phases that add up to its end-to-end time)."""
@@ -210,9 +217,11 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(gw.load_model)
         await client.start()
+        gw.admission.start()  # SIGHUP reloads the keys file
         log.info("gateway_ready", url=f"http://{settings.gateway_host}:{settings.gateway_port}", model=gw.model_name,
                  instance=client.instance_id)
         yield
+        await gw.admission.stop()
         await client.stop()
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False,

@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from services.gateway.admission import Admission
+from services.gateway.keys import Tenant
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, validation_error_to_invalid
 from services.gateway.run import Choice
 from services.tokenizer.prompts import PromptProcessor
@@ -128,10 +129,8 @@ class ChoiceBuilder:
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
 
-    def _meta(self, request_id: str, now: float, req, tenant: str) -> RequestMeta:
-        salt = req.cache_salt or ""
-        if tenant:
-            salt = f"{Admission.tenant_salt(tenant)}:{salt}"
+    def _meta(self, request_id: str, now: float, req, tenant: Tenant | None) -> RequestMeta:
+        salt = Admission.cache_salt(tenant, req.cache_salt)
         return RequestMeta(request_id=request_id, reply_to=self.inbox, model=self.model_name, created_at=now,
                            deadline_at=now + self.settings.request_timeout_s, cache_salt=salt)
 
@@ -139,7 +138,7 @@ class ChoiceBuilder:
     def _base_seed(req) -> int:
         return (req.seed % (1 << 63)) if req.seed is not None else random.getrandbits(63)
 
-    def chat(self, req: ChatCompletionRequest, base_id: str, tenant: str = "") -> list[Choice]:
+    def chat(self, req: ChatCompletionRequest, base_id: str, tenant: Tenant | None = None) -> list[Choice]:
         """One pipeline request per choice; choice k samples with seed + k."""
         now = time.time()
         requested = req.requested_max_tokens()
@@ -157,7 +156,7 @@ class ChoiceBuilder:
             for k in range(req.n)
         ]
 
-    def completion(self, req: CompletionRequest, base_id: str, tenant: str = "") -> list[Choice]:
+    def completion(self, req: CompletionRequest, base_id: str, tenant: Tenant | None = None) -> list[Choice]:
         """One pipeline request per (prompt, choice); choice index = prompt * n + k, sampled
         with seed + index."""
         now = time.time()

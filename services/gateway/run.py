@@ -94,7 +94,7 @@ class RequestRun:
         tick_s: period of the idle callback while waiting.
         on_tick: coroutine function called every ``tick_s`` of silence; it may raise (a
             client that went away raises Aborted).
-        tenant: the API key it is charged to; reserved_tokens: its rate-limit reservation.
+        ticket: its admission ticket (the caller, its rate-limit reservation), settled by the gateway.
         timeline, span: its timeline (``/debug/timeline``) and trace span, ended by the gateway.
 
     Use it as ``async with run:`` — entering registers every choice's event route and submits
@@ -103,10 +103,9 @@ class RequestRun:
 
     def __init__(self, client: PipelineClient, choices: list[Choice], deadline_at: float, stall_timeout_s: float,
                  tick_s: float = 1.0, on_tick=None, first_token_timeout_s: float | None = None, *,
-                 tenant: str = "", reserved_tokens: int = 0, timeline=None, span=None):
+                 ticket=None, timeline=None, span=None):
         self.client = client
-        self.tenant = tenant
-        self.reserved_tokens = reserved_tokens
+        self.ticket = ticket
         self.timeline = timeline
         self.span = span
         self.last_token_at: float | None = None  # monotonic: the last text delivered (for ITL)

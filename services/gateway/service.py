@@ -20,7 +20,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, Ticket
+from services.gateway.keys import Tenant
 from services.gateway.openai_models import DetokenizeRequest, TokenizeRequest
 from services.gateway.parse import ChoiceBuilder
 from services.gateway.pipeline import PipelineClient
@@ -37,8 +38,6 @@ from shared.timeline import now_mark
 from shared.tracing import start_span
 
 log = get_logger("gateway")
-#: Tokens reserved from a key's rate-limit bucket for a choice without an explicit max_tokens.
-DEFAULT_RESERVATION = 256
 KEEPALIVE_S = 15.0
 #: Timelines kept for /debug/timeline.
 MAX_TIMELINES = 1000
@@ -74,7 +73,7 @@ class Gateway:
 
     # --- admit → submit → render ------------------------------------------------------------
     async def serve(self, request: Request, endpoint: str, req, choices: list[Choice], request_id: str,
-                    tenant: str, received_at: float) -> Response:
+                    tenant: Tenant, received_at: float) -> Response:
         """Answer one completion request.
 
         Raises:
@@ -85,28 +84,26 @@ class Gateway:
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
-        reserved = self._admit(tenant, choices)
-        run = self._new_run(request, endpoint, choices, request_id, tenant, reserved, received_at)
+        # echo prompts are checked first: a 400 never holds a concurrent slot or a reservation
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req,
                               self.choices.echo_texts(req))
+        ticket = await self._admit(tenant, choices)
+        run = self._new_run(request, endpoint, choices, request_id, ticket, received_at)
         if not req.stream:
             return await self._complete(endpoint, run, responses)
         return await self._stream(endpoint, run, responses)
 
-    def _admit(self, tenant: str, choices: list[Choice]) -> int:
-        """Admission; the token budget the request takes up front: its max_tokens, or, when the
-        client left it to the default (the rest of the context), a typical answer's worth."""
-        reserved = sum(min(c.task.sampling.max_tokens, DEFAULT_RESERVATION) if c.task.max_tokens_is_default
-                       else c.task.sampling.max_tokens for c in choices)
+    async def _admit(self, tenant: Tenant, choices: list[Choice]) -> Ticket:
+        """Admission, with the per-key limits' reservation (prompt + max_tokens), settled when
+        the run closes (:meth:`_opened`)."""
         try:
-            self.admission.admit(tenant, self.client.queued, reserved)
+            return await self.admission.admit(tenant, self.client.queued, choices, self.prompts)
         except Overloaded as exc:
             self.metrics["rejected"].labels(exc.code or "overloaded").inc()
             raise
-        return reserved
 
-    def _new_run(self, request: Request, endpoint: str, choices: list[Choice], request_id: str, tenant: str,
-                 reserved: int, received_at: float) -> RequestRun:
+    def _new_run(self, request: Request, endpoint: str, choices: list[Choice], request_id: str, ticket: Ticket,
+                 received_at: float) -> RequestRun:
         gateway_span = start_span("gateway", None, request_id=request_id, endpoint=endpoint)
         published = now_mark("gateway.published")
         choices = [replace(c, task=msgspec.structs.replace(c.task, meta=msgspec.structs.replace(
@@ -114,7 +111,7 @@ class Gateway:
         return RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
                           on_tick=lambda: self._check_alive(request),
                           first_token_timeout_s=self.settings.first_token_timeout_s,
-                          tenant=tenant, reserved_tokens=reserved, span=gateway_span,
+                          ticket=ticket, span=gateway_span,
                           timeline=Timeline(request_id, [("gateway.received", received_at), published]))
 
     async def _check_alive(self, request: Request) -> None:
@@ -130,18 +127,25 @@ class Gateway:
 
     @asynccontextmanager
     async def _opened(self, run: RequestRun):
-        """The run, counted in flight (and charged to its key) while open."""
+        """The run, counted in flight while open; on close its key's reservation is settled
+        and its usage metered under the outcome (ok, the error's code, client_disconnected)."""
         self.admission.inflight += 1
         self.metrics["in_flight"].inc()
+        outcome = "ok"
         try:
             async with run:
                 yield run
+        except PdError as exc:
+            outcome = exc.code or exc.type
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_disconnected"
+            raise
         finally:
             self.admission.inflight -= 1
             self.metrics["in_flight"].dec()
             self.metrics["output_tokens"].inc(sum(c.num_tokens for c in run.choices))
-            used = sum(c.num_prompt_tokens + c.num_tokens for c in run.choices)
-            self.admission.charge(run.tenant, used, run.reserved_tokens)
+            self.admission.settle(run.ticket, run.choices, outcome)
 
     async def _complete(self, endpoint: str, run: RequestRun, responses: Responses) -> Response:
         async with self._opened(run):

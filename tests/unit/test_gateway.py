@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from services.gateway.app import create_app
+from services.gateway.keys import hash_key
+from services.gateway.openai_models import TokenizeRequest
 from shared.config import Settings
 from shared.messages import Accepted, ErrorEvent, TextChunk, TokenizeTask, Usage
 from shared.registry import WorkerRegistry
@@ -91,6 +93,9 @@ def texts(rid: str, pieces: list[str], finish: str = "stop", gap: float = 0.0) -
 
 def make(tiny_model_dir, script, **settings):
     stall = settings.pop("stall_timeout_s", 2.0)
+    # limits and usage in process (the shared Redis store has tests of its own, each in its
+    # own namespace, in test_tenant_gateway.py)
+    settings.setdefault("rate_limit_store", "local")
     s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=stall,
                           first_token_timeout_s=settings.pop("first_token_timeout_s", stall), **settings)
     fake = FakePipeline(script)
@@ -349,24 +354,29 @@ def test_client_disconnect_aborts_the_request(tiny_model_dir, stream):
 
 
 def test_rate_limit_reserves_max_tokens_so_a_burst_cannot_overspend(tiny_model_dir):
+    probe, _ = make(tiny_model_dir, lambda task: None)
+    chat = probe.state.gateway.tokenize(TokenizeRequest(model="tiny-llama", messages=BODY["messages"]))
+    size = chat["count"] + 30  # a request reserves its prompt and its max_tokens
+    limit = 3 * size + size // 2
     app, fake = make(tiny_model_dir, lambda task: texts(task.meta.request_id, ["a", "b"], gap=0.3), api_keys="k1",
-                     rate_limit_tokens_per_minute=100)
+                     rate_limit_tokens_per_minute=limit)
 
     async def go():
         async with client_for(app) as c:
             h = {"Authorization": "Bearer k1"}
             burst = [c.post("/v1/chat/completions", json={**BODY, "max_tokens": 30}, headers=h) for _ in range(6)]
-            return await asyncio.gather(*burst)
+            return await asyncio.gather(*burst), await app.state.gateway.admission.drain()
 
     started = time.monotonic()
-    codes = sorted(r.status_code for r in run(go()))
+    codes = sorted(r.status_code for r in run(go())[0])
     elapsed = time.monotonic() - started
-    # 100 tokens hold three reservations of 30, not six
+    # the bucket holds three reservations, not six
     assert codes == [200, 200, 200, 429, 429, 429]
-    # what was not used went back: 3 × (5 prompt + 2 completion) spent of 100
-    # plus the refill of the time it took (100 per minute), bounded by measuring that time
-    level = app.state.gateway.admission.bucket("k1").level
-    assert 100 - 3 * 7 - 1e-6 <= level <= min(100.0, 100 - 3 * 7 + elapsed * 100 / 60) + 1e-6, (level, elapsed)
+    # what was not used went back: 3 × (5 prompt + 2 completion) spent, plus the refill of the
+    # time it took (limit per minute), bounded by measuring that time
+    bucket = app.state.gateway.admission.limits.local.bucket(f"key-{hash_key('k1')[:8]}", "tokens", limit, 60.0)
+    spent = limit - 3 * 7
+    assert spent - 1e-6 <= bucket.level <= min(limit, spent + elapsed * limit / 60) + 1e-6, (bucket.level, elapsed)
 
 
 def test_tokenize_runs_off_the_event_loop_and_counts_as_in_flight(tiny_model_dir, monkeypatch):
