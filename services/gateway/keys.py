@@ -130,7 +130,7 @@ class KeyRing:
                                                settings.max_concurrent_requests_per_key, digest[:16])
         self.file_keys: dict[str, Tenant] = {}
         self.mtime_ns: int | None = None
-        self.checked_at = 0.0
+        self.checked_at = time.monotonic()  # the file was just read
         self.reload_asked = False
         if self.path is not None:
             try:
