@@ -14,85 +14,21 @@ import random
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import msgspec
 import torch
 
 from engine.block_manager import BlockManager, KVBlock
+from engine.config import EngineConfig
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_attention
+from engine.outputs import EngineStats, PromptKV, StepOutput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.hashing import hash_extra
-from shared.messages import KVLayout, SamplingParams, TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Engine sizes. ``num_kv_blocks`` 0 = from ``kv_cache_memory_bytes``."""
-
-    model_id: str
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk_tokens: int = 0
-    max_model_len: int = 0
-    kv_cache_memory_bytes: int = 1 << 30
-    num_kv_blocks: int = 0
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: torch.dtype | None = None
-    attention_backend: str = "auto"
-    weights: str = "float"  # PD_WEIGHTS: float, auto (as stored in the source file) or int8
-    cuda_graphs: bool = True
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    kv_pinned_buffer_bytes: int = 256 << 20
-
-
-@dataclass(slots=True)
-class PromptKV:
-    """A prompt's KV copied out of the pool: full blocks by hash, and the partial tail."""
-
-    block_hashes: list[bytes]
-    blocks: list[memoryview]
-    tail: memoryview | None
-    num_tail_tokens: int
-    num_tokens: int
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step did for one sequence that sampled a token.
-
-    A snapshot taken on the engine thread: ``index`` (output position of the first new
-    token), ``finish_reason`` and ``finished`` describe this step even if the consumer reads
-    them after the engine has moved on. ``seq`` is the live sequence (its counters move).
-    """
-
-    seq: Sequence
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
-    index: int
-    finished: bool
-    finish_reason: str | None = None
-    prompt_kv: PromptKV | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.request_id
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_loaded_tokens: int = 0
-    step_seconds: float = 0.0
-    last_step_tokens: int = 0
-    last_step_seqs: int = 0
+from shared.kv.layout import KVLayout
+from shared.messages import SamplingParams
 
 
 class LLMEngine:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from engine.model_loader import ensure_model, resolve_device, resolve_dtype
 from shared.config import Settings, parse_batch_sizes
 from shared.logging import get_logger

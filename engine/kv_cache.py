@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.messages import KVLayout
+from shared.kv.layout import KVLayout
 
 
 class PagedKVCache:

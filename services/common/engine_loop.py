@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.engine import LLMEngine, StepOutput
+from engine.engine import LLMEngine
+from engine.outputs import StepOutput
 from shared.logging import get_logger
 
 log = get_logger(__name__)

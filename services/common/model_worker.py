@@ -8,8 +8,8 @@ import asyncio
 import os
 import time
 
-from engine.engine import StepOutput
 from engine.factory import build_engine
+from engine.outputs import StepOutput
 from services.common.engine_loop import EngineLoop
 from services.common.runtime import Worker
 from shared.config import parse_cpus

@@ -32,7 +32,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from engine.engine import StepOutput
+from engine.outputs import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main

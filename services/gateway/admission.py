@@ -16,7 +16,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 
 from services.gateway.keys import KeyRing, Tenant
-from services.gateway.limits import Limits, Quota
+from services.gateway.limits import Limits
+from services.gateway.quota import Quota
 from services.gateway.usage import UsageMeter
 from shared.config import Settings
 from shared.errors import AuthenticationError, Overloaded, PdError

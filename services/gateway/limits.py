@@ -33,16 +33,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from services.gateway.local_limits import LocalLimits
+from services.gateway.quota import REASONS, Quota, refusal
 from shared.config import Settings
 from shared.errors import Overloaded, ServiceUnavailable
 from shared.logging import get_logger
 
 log = get_logger("gateway.limits")
 
-#: Why a request was refused (the script's reason codes, in order).
-REASONS = {1: "tokens", 2: "requests", 3: "concurrent"}
 
 # KEYS: token bucket, request bucket, in-flight set.
 # ARGV: now_ms ("" = Redis TIME), window_ms, max_tokens, max_requests, max_concurrent, cost,
@@ -134,31 +133,6 @@ return #ARGV - 2
 """
 
 
-@dataclass(frozen=True, slots=True)
-class Quota:
-    """A key's limits; 0 means no limit. Rates are per ``window_s`` seconds."""
-
-    tokens: int = 0
-    requests: int = 0
-    concurrent: int = 0
-    window_s: float = 60.0
-
-    @property
-    def is_limited(self) -> bool:
-        return bool(self.tokens or self.requests or self.concurrent)
-
-
-def refusal(name: str, quota: Quota, reason: str, retry_after_s: float) -> Overloaded:
-    """The 429 for a refused request (OpenAI's ``rate_limit_exceeded`` code)."""
-    what = {"tokens": f"token rate limit of {quota.tokens} tokens",
-            "requests": f"request rate limit of {quota.requests} requests"}.get(reason)
-    if what is None:
-        message = f"limit of {quota.concurrent} concurrent requests reached for key {name!r}"
-    else:
-        message = f"{what} per {quota.window_s:g} s reached for key {name!r}"
-    return Overloaded(message, retry_after_s=retry_after_s, code="rate_limit_exceeded")
-
-
 def redis_key(namespace: str, name: str, kind: str) -> str:
     """Redis key of one key name's state: ``<ns>:limits:{<name>}:<kind>`` (``tokens``,
     ``requests``, ``inflight``); the hash tag keeps one key name's state on one Cluster slot."""
@@ -219,87 +193,6 @@ class RedisLimits:
 
     async def tokens_left(self, name: str, quota: Quota) -> float:
         """The token bucket's level now (settling zero tokens)."""
-        return await self.settle(name, quota, 0, "")
-
-
-@dataclass(slots=True)
-class TokenBucket:
-    """``rate_per_s`` tokens per second, holding at most ``capacity``. Spending may take the
-    level below zero (a request's size is known only afterwards); the key then waits until
-    the bucket refills above zero."""
-
-    rate_per_s: float
-    capacity: float
-    level: float = 0.0
-    updated_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.level = self.capacity
-
-    def refill(self, now: float) -> float:
-        self.level = min(self.capacity, self.level + max(0.0, now - self.updated_at) * self.rate_per_s)
-        self.updated_at = now
-        return self.level
-
-    def seconds_until(self, tokens: float, now: float) -> float:
-        """Seconds until the bucket holds ``tokens`` and more than zero."""
-        level = self.refill(now)
-        if level > 0 and level >= tokens:
-            return 0.0
-        return max(tokens - level, 1.0 - level, 0.0) / self.rate_per_s
-
-    def spend(self, tokens: float, now: float) -> None:
-        self.level = min(self.capacity, self.refill(now) - tokens)
-
-
-@dataclass(slots=True)
-class LocalLimits:
-    """The same limits held in this process (one gateway's view). ``clock``: seconds."""
-
-    clock: Callable[[], float] = time.monotonic
-    buckets: dict[tuple[str, str], TokenBucket] = field(default_factory=dict)
-    inflight: dict[str, set[str]] = field(default_factory=dict)
-
-    def bucket(self, name: str, kind: str, capacity: int, window_s: float) -> TokenBucket:
-        bucket = self.buckets.get((name, kind))
-        if bucket is None or bucket.capacity != capacity:
-            bucket = self.buckets[(name, kind)] = TokenBucket(capacity / window_s, float(capacity),
-                                                              updated_at=self.clock())
-            bucket.level = float(capacity)
-        return bucket
-
-    async def acquire(self, name: str, quota: Quota, cost: int, request_id: str, lease_s: float) -> None:
-        """As :meth:`RedisLimits.acquire`, in process."""
-        now = self.clock()
-        tokens = self.bucket(name, "tokens", quota.tokens, quota.window_s) if quota.tokens else None
-        requests = self.bucket(name, "requests", quota.requests, quota.window_s) if quota.requests else None
-        if tokens is not None and (wait := tokens.seconds_until(min(cost, quota.tokens), now)) > 0:
-            raise refusal(name, quota, "tokens", wait)
-        if requests is not None and (wait := requests.seconds_until(1, now)) > 0:
-            raise refusal(name, quota, "requests", wait)
-        held = self.inflight.setdefault(name, set())
-        if quota.concurrent and len(held) >= quota.concurrent:
-            raise refusal(name, quota, "concurrent", 1.0)
-        if quota.concurrent:
-            held.add(request_id)
-        if tokens is not None:
-            tokens.spend(cost, now)
-        if requests is not None:
-            requests.spend(1, now)
-
-    async def settle(self, name: str, quota: Quota, delta: int, request_id: str) -> float:
-        """As :meth:`RedisLimits.settle`, in process."""
-        self.inflight.get(name, set()).discard(request_id)
-        if not quota.tokens:
-            return 0.0
-        bucket = self.bucket(name, "tokens", quota.tokens, quota.window_s)
-        bucket.spend(delta, self.clock())
-        return bucket.level
-
-    async def renew(self, name: str, request_ids: list[str], lease_s: float) -> None:
-        """Nothing to renew: a process's slots die with it."""
-
-    async def tokens_left(self, name: str, quota: Quota) -> float:
         return await self.settle(name, quota, 0, "")
 
 

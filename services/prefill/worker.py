@@ -27,16 +27,16 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.engine import StepOutput
+from engine.outputs import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main
 from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import BLOCK, TAIL, block_key, tail_key
+from shared.kv.layout import KVHandle
 from shared.messages import (
     Abort,
     DecodeTask,
-    KVHandle,
     PrefillTask,
     RequestMeta,
     StreamSpec,

@@ -1,6 +1,6 @@
 """The KV store interface: where prefill stages KV blocks and decode picks them up.
 
-KV bytes never ride NATS; messages carry a :class:`~shared.messages.KVHandle` naming keys
+KV bytes never ride NATS; messages carry a :class:`~shared.kv.layout.KVHandle` naming keys
 here. Every value has a lease (TTL): content-addressed blocks double as a prefix cache shared
 by all workers, request-scoped tails are deleted by decode once loaded, and anything
 abandoned expires. Implementations are synchronous and thread-safe; async callers run them

@@ -73,7 +73,8 @@ def test_copies_go_through_the_pinned_pool_without_host_waits(monkeypatch):
 def test_engine_on_cuda_matches_generate(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from engine.engine import EngineConfig, LLMEngine, eos_ids_of
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine, eos_ids_of
     from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
     from shared.messages import SamplingParams
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine, eos_ids_of
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, eos_ids_of
 from shared.messages import SamplingParams
 from tests.kernels.triton_env import device, load_kernels
 from tests.unit.test_cuda_graphs import RecordingCapture

@@ -9,8 +9,9 @@ import types
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.engine import EngineConfig, LLMEngine, eos_ids_of
+from engine.engine import LLMEngine, eos_ids_of
 from kernels import attention as ref
 from shared.messages import SamplingParams
 

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine, eos_ids_of
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, eos_ids_of
 from shared.messages import SamplingParams
 
 

@@ -9,10 +9,11 @@ import pytest
 
 from shared import messages as m
 from shared.errors import PoisonMessage
+from shared.kv.layout import KVLayout
 
 META = m.RequestMeta(request_id="r1", reply_to="pd.gateway.g.events", model="x", created_at=1.0, deadline_at=2.0)
 SP = m.SamplingParams(max_tokens=5, temperature=0.0, stop=("a",), logit_bias={3: 1.5})
-LAYOUT = m.KVLayout(model_id="x", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+LAYOUT = KVLayout(model_id="x", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 
 SAMPLES = [
     m.TokenizeTask(meta=META, sampling=SP, messages=[m.ChatMessage("user", "hi")]),
