@@ -51,6 +51,19 @@ def load():
     Raises:
         RuntimeError: no C++ compiler, or the build failed.
     """
+    # -fopenmp: at::parallel_for is OpenMP inside torch; without the flag it runs serially
+    return build_extension("paged_attention.cpp", "pdserve_cpu_paged_attention", ["-O3", "-fopenmp", "-ffp-contract=fast"])
+
+
+def build_extension(source_name: str, name: str, flags: list[str]):
+    """Build (or load the cached build of) the C++ source ``source_name`` beside this file as
+    the torch extension ``<name>_<key>``, with ``flags`` (+ ``-march=native`` unless
+    ``PD_KERNEL_MARCH_NATIVE=0``); the key hashes the source, flags, interpreter, torch version
+    and CPU flags, so each combination has its own folder. Builders serialise on an ``flock``.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed.
+    """
     import fcntl
     import hashlib
     import sys
@@ -58,14 +71,11 @@ def load():
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 
-    source = Path(__file__).with_name("paged_attention.cpp")
-    # -fopenmp: at::parallel_for is OpenMP inside torch; without the flag it runs serially
-    flags = ["-O3", "-fopenmp", "-ffp-contract=fast"]
-    if os.environ.get("PD_KERNEL_MARCH_NATIVE", "1") == "1":
-        flags.append("-march=native")
+    source = Path(__file__).with_name(source_name)
+    flags = [*flags, "-march=native"] if os.environ.get("PD_KERNEL_MARCH_NATIVE", "1") == "1" else list(flags)
     key = hashlib.sha256("\0".join([source.read_text(), *flags, sys.executable, torch.__version__,
                                      _cpu_flags()]).encode()).hexdigest()[:12]
-    name = f"pdserve_cpu_paged_attention_{key}"
+    name = f"{name}_{key}"
     folder = Path(_get_build_directory(name, verbose=False))
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "pdserve.build.lock", "w") as guard:

@@ -9,16 +9,9 @@ float32 GEMV, so this kernel exists for CPUs where that gap is measured (docs/de
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import os
-import sys
-from pathlib import Path
 
-import torch
-
-from kernels.cpu import _cpu_flags
+from kernels.cpu import _cpu_flags, build_extension
 
 __all__ = ["load", "available"]
 
@@ -30,25 +23,9 @@ def load():
     Raises:
         RuntimeError: no C++ compiler, the build failed, or the CPU lacks AVX2/FMA.
     """
-    from torch.utils.cpp_extension import _get_build_directory
-    from torch.utils.cpp_extension import load as build
-
     if not available():
         raise RuntimeError("the quantized linear kernel needs a CPU with AVX2 and FMA")
-    source = Path(__file__).with_name("quant_linear.cpp")
-    flags = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
-    if os.environ.get("PD_KERNEL_MARCH_NATIVE", "1") == "1":
-        flags.append("-march=native")
-    key = hashlib.sha256("\0".join([source.read_text(), *flags, sys.executable, torch.__version__,
-                                     _cpu_flags()]).encode()).hexdigest()[:12]
-    name = f"pdserve_cpu_quant_linear_{key}"
-    folder = Path(_get_build_directory(name, verbose=False))
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "pdserve.build.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (folder / "lock").unlink(missing_ok=True)  # stale: no other builder holds the flock
-        return build(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                     build_directory=str(folder), verbose=False)
+    return build_extension("quant_linear.cpp", "pdserve_cpu_quant_linear", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"])
 
 
 def available() -> bool:

@@ -9,7 +9,6 @@ import os
 import signal
 
 import pytest
-import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from services.gateway.keys import group_salt, hash_key, parse_keys_file
@@ -18,6 +17,7 @@ from shared.config import Settings, SettingsError
 from shared.messages import Accepted
 from tests.pipeline_fixture import free_port
 from tests.unit.test_gateway import BODY, client_for, make, texts
+from tests.unit.test_shared_limits import cleanup, run
 
 
 def keys_yaml(path, entries: list[dict]) -> None:
@@ -38,18 +38,6 @@ def bump_mtime(path) -> None:
 
 def auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def cleanup(url: str, namespace: str) -> None:
-    client = aioredis.Redis.from_url(url)
-    keys = [k async for k in client.scan_iter(f"{namespace}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 def answer(task):
