@@ -21,7 +21,7 @@ import torch
 
 from engine.quant import BlockLinear, _kernel
 from shared.logging import get_logger
-from shared.model_files import COMPLETE_MARKER
+from shared.model_files import COMPLETE_MARKER, ModelNotAvailable, default_gguf_path
 
 log = get_logger(__name__)
 
@@ -29,13 +29,25 @@ WEIGHT_MODES = ("auto", "float", "int8")
 
 
 def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file ``folder`` was converted from (its conversion marker), if it still exists."""
+    """The GGUF file ``folder`` was converted from (its conversion marker), if it still exists.
+
+    The marker records the path in the environment that converted it; the converted folder is
+    shared by every checkout and venv (``PD_CACHE_DIR``), so when that path is gone the same
+    file from this environment's model wheel is used."""
     marker = Path(folder) / COMPLETE_MARKER
     try:
         source = json.loads(marker.read_text()).get("source")
     except (OSError, ValueError, AttributeError):
         return None
-    return Path(source) if source and Path(source).exists() else None
+    if not source:
+        return None
+    if Path(source).exists():
+        return Path(source)
+    try:
+        here = default_gguf_path()
+    except ModelNotAvailable:
+        return None
+    return here if here.name == Path(source).name and here.exists() else None
 
 
 def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

