@@ -47,6 +47,17 @@ log = get_logger("gateway.limits")
 # ARGV: now_ms ("" = Redis TIME), window_ms, max_tokens, max_requests, max_concurrent, cost,
 #       request_id, lease_ms.
 # Returns {1, 0, 0} when admitted, else {0, reason, retry_after_ms}.
+#: Every script's first lines: ``now`` in ms from ARGV[1], or Redis's own clock when it is "".
+_NOW_LUA = """
+local now = ARGV[1]
+if now == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+else
+  now = tonumber(now)
+end
+"""
+
 ADMIT_LUA = """
 local function now_ms()
   if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
@@ -97,14 +108,7 @@ return {1, 0, 0}
 
 # KEYS: token bucket, in-flight set. ARGV: now_ms, window_ms, max_tokens, delta, request_id.
 # Returns the bucket's level after settling (a string: Lua numbers reply as integers).
-SETTLE_LUA = """
-local now = ARGV[1]
-if now == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-else
-  now = tonumber(now)
-end
+SETTLE_LUA = _NOW_LUA + """
 local window, cap, delta = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('ZREM', KEYS[2], ARGV[5])
 if cap <= 0 then return '0' end
@@ -118,14 +122,7 @@ return tostring(lvl)
 """
 
 # KEYS: in-flight set. ARGV: now_ms, lease_ms, request ids... Renews the leases still held.
-RENEW_LUA = """
-local now = ARGV[1]
-if now == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-else
-  now = tonumber(now)
-end
+RENEW_LUA = _NOW_LUA + """
 local lease = tonumber(ARGV[2])
 for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], 2 * lease)
