@@ -23,31 +23,7 @@ class SettingsError(ValueError):
     """A ``PD_*`` environment variable holds a value of the wrong type or out of range."""
 
 
-def parse_cpus(spec: str) -> set[int]:
-    """``"0"``, ``"0,2"``, ``"0-3"`` → a set of CPU ids.
-
-    Raises:
-        ValueError: not a CPU list.
-    """
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    if not cpus:
-        raise ValueError(f"empty CPU list {spec!r}")
-    return cpus
-
-
-def parse_batch_sizes(spec: str) -> list[int]:
-    """``"1,2,4"`` → ``[1, 2, 4]`` (sorted, unique); ``[]`` when any entry is not a positive integer."""
-    try:
-        sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
-    except ValueError:
-        return []
-    return sizes if sizes and sizes[0] > 0 else []
+from shared.config_checks import parse_batch_sizes, parse_cpus  # noqa: E402  (re-exported)
 
 
 def _doc(text: str, **kwargs: typing.Any) -> typing.Any:
@@ -319,53 +295,10 @@ class Settings:
         return settings
 
     def validate(self) -> None:
-        """Raises SettingsError on values that cannot work."""
-        if self.kv_failure_policy not in ("recompute", "fail"):
-            raise SettingsError(f"PD_KV_FAILURE_POLICY must be recompute or fail, not {self.kv_failure_policy!r}")
-        if self.kv_store not in ("shm", "redis"):
-            raise SettingsError(f"PD_KV_STORE must be shm or redis, not {self.kv_store!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise SettingsError(f"PD_DTYPE must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.weights not in ("auto", "float", "int8"):
-            raise SettingsError(f"PD_WEIGHTS must be auto, float or int8, not {self.weights!r}")
-        if self.routing not in ("disaggregated", "aggregated", "conditional"):
-            raise SettingsError(f"PD_ROUTING must be disaggregated, aggregated or conditional, not {self.routing!r}")
-        if self.cpu_affinity:
-            try:
-                parse_cpus(self.cpu_affinity)
-            except ValueError:
-                raise SettingsError(f"PD_CPU_AFFINITY must be a CPU list like 0 or 0-3, not {self.cpu_affinity!r}") from None
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise SettingsError(f"PD_KV_CACHE_DTYPE must be auto, float32, bfloat16 or float16, not {self.kv_cache_dtype!r}")
-        if self.attention_backend not in ("auto", "reference", "cpu", "triton"):
-            raise SettingsError(
-                f"PD_ATTENTION_BACKEND must be auto, reference, cpu or triton, not {self.attention_backend!r}")
-        if not parse_batch_sizes(self.cuda_graph_batch_sizes):
-            raise SettingsError(
-                f"PD_CUDA_GRAPH_BATCH_SIZES must be positive integers like 1,2,4,8, not {self.cuda_graph_batch_sizes!r}")
-        if self.kv_pinned_buffer_bytes <= 0:
-            raise SettingsError(f"PD_KV_PINNED_BUFFER_BYTES must be > 0, not {self.kv_pinned_buffer_bytes}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise SettingsError(f"PD_DEVICE must be auto, cpu or cuda, not {self.device!r}")
-        kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if self.attention_backend == "cpu" and kv_dtype == "float16":
-            # the C++ kernel reads float32 and bfloat16 caches only (kernels.CPU_KERNEL_KV_DTYPES)
-            raise SettingsError("PD_ATTENTION_BACKEND=cpu reads a float32 or bfloat16 KV cache, not float16 "
-                                f"(PD_DTYPE={self.dtype}, PD_KV_CACHE_DTYPE={self.kv_cache_dtype}); use "
-                                "PD_ATTENTION_BACKEND=auto or reference, or PD_KV_CACHE_DTYPE=float32 or bfloat16")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"PD_{name.upper()} must be positive")
-        if self.rate_limit_store not in ("redis", "local"):
-            raise SettingsError(f"PD_RATE_LIMIT_STORE must be redis or local, not {self.rate_limit_store!r}")
-        if self.rate_limit_failure_policy not in ("open", "closed"):
-            raise SettingsError("PD_RATE_LIMIT_FAILURE_POLICY must be open or closed, "
-                                f"not {self.rate_limit_failure_policy!r}")
-        for name in ("rate_limit_window_s", "rate_limit_lease_s", "keys_reload_interval_s"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"PD_{name.upper()} must be positive")
-        if not self.namespace.replace("_", "").replace("-", "").isalnum():
-            raise SettingsError("PD_NAMESPACE may hold letters, digits, '-' and '_' only")
+        """Raises SettingsError on values that cannot work (checks in :mod:`shared.config_checks`)."""
+        from shared.config_checks import validate_settings
+
+        validate_settings(self)
 
     def protocol(self):
         """The names (subjects, streams, consumers) of this deployment."""
