@@ -23,7 +23,7 @@ class SettingsError(ValueError):
     """A ``PD_*`` environment variable holds a value of the wrong type or out of range."""
 
 
-from shared.config_checks import parse_batch_sizes, parse_cpus  # noqa: E402  (re-exported)
+from shared.config_checks import parse_batch_sizes, parse_cpus  # noqa: E402, F401  (re-exported)
 
 
 def _doc(text: str, **kwargs: typing.Any) -> typing.Any:

@@ -73,10 +73,12 @@ def test_keys_reload_without_restart_and_a_bad_file_keeps_the_keys_in_force(tiny
                       await c.post("/v1/chat/completions", json=BODY, headers=auth("sk-new")))
             keys_yaml(path, [{"name": "newcomer", "key": "sk-new"}])
             bump_mtime(path)
+            await asyncio.sleep(0.01)  # past the 1 ms reload interval (requests can be faster than it)
             after = (await c.post("/v1/chat/completions", json=BODY, headers=auth("sk-a")),
                      await c.post("/v1/chat/completions", json=BODY, headers=auth("sk-new")))
             path.write_text("keys: [oops")
             bump_mtime(path)
+            await asyncio.sleep(0.01)
             broken = await c.post("/v1/chat/completions", json=BODY, headers=auth("sk-new"))
             return before, after, broken
 
