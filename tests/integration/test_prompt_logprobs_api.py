@@ -65,7 +65,8 @@ def test_max_tokens_zero_and_token_id_batches(client, tiny_model):
     for ids, choice in zip(prompts, choices):
         assert choice["text"] == tok.decode(ids)
         assert len(choice["logprobs"]["tokens"]) == len(ids)
-        assert all(len(top) == 2 for top in choice["logprobs"]["top_logprobs"][1:])
+        # two alternatives, unless both render as the same text (partial UTF-8 bytes: one dict key)
+        assert all(1 <= len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
         check_prompt_part(choice["logprobs"], tiny_model, ids)
     assert resp["usage"]["completion_tokens"] == 0
     assert resp["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
