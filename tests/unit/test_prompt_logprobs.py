@@ -66,3 +66,21 @@ def test_prefix_cache_is_skipped_for_prompt_logprobs(tiny_model):
     # without prompt logprobs the same prompt does hit the cache
     seqs, _ = run(engine, [prompt], [SamplingParams(max_tokens=1, temperature=0.0)])
     assert seqs[0].num_cached_tokens == 16
+
+
+def test_decode_prefilling_a_prompt_itself_skips_its_prefix_cache(tiny_model):
+    """A decode worker admitting a request routed straight to it (no KV from prefill) with its
+    prefix cached locally still computes every position."""
+    model, ref, _ = tiny_model
+    engine = make_engine(model)
+    prompt = prompts_of([13], model.config.vocab_size, seed=5)[0]
+    seqs, _ = run(engine, [prompt], [SamplingParams(max_tokens=1, temperature=0.0)])
+    hashes = seqs[0].block_hashes[:3]
+    seq = engine.admit_with_kv("d0", prompt, [], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                               hashes, [], None)
+    assert seq.num_computed_tokens == 0
+    outs = [o for o in engine.step() if o.request_id == "d0"]
+    while not outs:
+        outs = [o for o in engine.step() if o.request_id == "d0"]
+    got = torch.tensor([e.logprob for e in outs[0].prompt_logprobs])
+    assert torch.allclose(got, reference_logprobs(ref, prompt), atol=TOLERANCE)
