@@ -57,6 +57,11 @@ def test_playground_streams_an_answer_and_draws_its_timeline(browser, pipeline, 
         assert phase in phases, phases
     widths = answer.locator(".timeline .bar").evaluate_all("bars => bars.map(b => b.getBoundingClientRect().width)")
     assert sum(widths) > 100  # drawn, not empty
+    assert answer.locator(".timeline .bar.g-prefill").count() == 1
+    box = answer.locator(".timeline").bounding_box()
+    for swatch in answer.locator(".timeline .swatch").all():  # the legend sits inside its timeline
+        b = swatch.bounding_box()
+        assert box["y"] <= b["y"] <= box["y"] + box["height"]
     assert errors == []
     shot = tmp_path / "playground.png"
     page.screenshot(path=str(shot))

@@ -106,7 +106,7 @@ function drawTimeline(box, tl) {
   wrap.className = "timeline";
   const legend = document.createElement("div");
   legend.className = "legend";
-  for (const [g, label] of GROUPS) legend.insertAdjacentHTML("beforeend", `<span><i class="bar ${g}"></i>${label}</span>`);
+  for (const [g, label] of GROUPS) legend.insertAdjacentHTML("beforeend", `<span><i class="swatch g-${g}"></i>${label}</span>`);
   wrap.appendChild(legend);
   let at = 0;
   for (const p of choice.phases) {
@@ -115,7 +115,7 @@ function drawTimeline(box, tl) {
     row.innerHTML = '<span class="name"></span><span class="track"><span class="bar"></span></span><span class="ms"></span>';
     row.querySelector(".name").textContent = p.phase;
     const bar = row.querySelector(".bar");
-    bar.classList.add(groupOf(p.phase));
+    bar.classList.add("g-" + groupOf(p.phase));
     bar.dataset.phase = p.phase;
     bar.style.left = (100 * at / total).toFixed(3) + "%";
     bar.style.width = (100 * p.ms / total).toFixed(3) + "%";
