@@ -9,6 +9,8 @@ streamed requests at ``--concurrency``:
 * ``decode``: a decode worker is SIGKILLed every ``--interval`` seconds (while another is
   alive) and restarted by the supervisor; its requests continue on the other one;
 * ``prefill``: the same for prefill;
+* ``postfilter``: the same for a postfilter (two replicas run when this scenario is asked
+  for): decode replays each orphaned stream to the live one, the gateway drops text it has;
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
 * ``disconnect``: a third of the clients go away at a random point of their stream.
@@ -42,7 +44,7 @@ import httpx
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
-SCENARIOS = ("decode", "prefill", "nats", "redis", "disconnect")
+SCENARIOS = ("decode", "prefill", "nats", "redis", "disconnect", "postfilter")
 TOPICS = ["rivers", "the sea", "mountains", "a small robot", "bread", "winter", "trains", "music", "bees", "clocks"]
 
 
@@ -147,7 +149,7 @@ class Faults(threading.Thread):
         import signal
 
         while not self.stop_event.wait(self.interval_s):
-            if self.kind in ("decode", "prefill"):
+            if self.kind in ("decode", "prefill", "postfilter"):
                 procs = [p for p in self.dep.procs if p.name.startswith(self.kind) and p.popen.poll() is None]
                 # kill one only while another replica that has been up a while survives it:
                 # failover, not outage (a replica still loading its model is not a survivor)
@@ -267,6 +269,8 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy) ...")
     expected = references(settings, prompts, max_tokens)
     replicas = {"tokenizer": 1, "prefill": 2, "decode": 2, "postfilter": 1, "gateway": 1}
+    if "postfilter" in scenarios:
+        replicas["postfilter"] = 2  # a killed one fails over to the other
     dep = launcher.up(settings, replicas, root / "state", ready_timeout_s=600, quiet=True)
     sup = SupervisorThread(launcher.Supervisor(dep))
     sup.start()

@@ -311,6 +311,15 @@ class SentStreams:
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
 
+    def refresh(self, request_id: str, now: float) -> None:
+        """A finished stream was sent again in full (replayed to a new owner): count it as
+        finished ``now``, so :meth:`finished_since` keeps offering it while its new owner
+        might still die before delivering it."""
+        sender = self.finished.pop(request_id, None)
+        if sender is not None:
+            sender.finished_at = now
+            self.finished[request_id] = sender
+
     def drop(self, request_id: str) -> None:
         """Forget a running stream (aborted: nobody will ask for it)."""
         self.running.pop(request_id, None)

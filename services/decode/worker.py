@@ -209,6 +209,8 @@ class DecodeWorker(ModelWorker):
             return  # none alive now; the gateway's stall timeout bounds the wait
         self.log.warning("postfilter_rerouted", request_id=rid, to=postfilter, finished=stream.is_finished)
         self._replay(rid, stream, postfilter)
+        if stream.is_finished:  # watched again for as long as the new owner might die with it
+            self.streams.refresh(rid, time.monotonic())
 
     async def _resume_point(self, req: ActiveRequest, rid: str) -> tuple[list[int], bool, bool]:
         """For a redelivered task: (output tokens to continue after, whether the stream must be

@@ -24,10 +24,16 @@ def test_fault_scenarios_keep_the_must_be_zero_columns_at_zero(tiny_model_dir, t
         assert r.staged_bytes == 0, report
         assert r.blocks_held == 0, report
         assert r.count("completed") > 0, report
-    for name in ("decode", "prefill", "nats", "redis"):
+    for name in ("decode", "prefill", "nats", "redis", "postfilter"):
         assert by_name[name].faults >= 2, report
     # killed workers fail over: no request is lost to them
     assert by_name["decode"].count("completed") == len(by_name["decode"].outcomes), report
     assert by_name["prefill"].count("completed") == len(by_name["prefill"].outcomes), report
     assert by_name["redis"].count("completed") == len(by_name["redis"].outcomes), report
+    # a postfilter killed mid-stream: decode replayed its open streams to the live one (logged
+    # by decode), and every request still completed with the reference text (wrong == 0 above)
+    assert by_name["postfilter"].count("completed") == len(by_name["postfilter"].outcomes), report
+    rerouted = sum(f.read_text(errors="replace").count('"postfilter_rerouted"')
+                   for f in (tmp_path / "state" / "logs").glob("decode-*.log"))
+    assert rerouted > 0, report
     assert by_name["disconnect"].count("disconnected") > 0, report
