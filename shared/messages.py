@@ -39,7 +39,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``seed`` is always set by the gateway (a random one when the client gave none), so every
     request is reproducible and can be regenerated token for token after a worker dies.
     ``max_tokens`` counts output tokens. ``logprobs``: None = off, k = the chosen token's
-    log-probability plus the k most likely alternatives.
+    log-probability plus the k most likely alternatives. ``grammar``: an llguidance grammar
+    (JSON text, ``shared/structured.py``) every output token must follow; None = free text.
     """
 
     max_tokens: int
@@ -58,6 +59,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    grammar: str | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,174 @@
+"""Constrained decoding in the engine: a grammar matcher per sequence and a token mask per
+sampling step, with llguidance (https://github.com/guidance-ai/llguidance; the engine vLLM
+and SGLang use as their ``guidance`` backend).
+
+A request's ``SamplingParams.grammar`` is an llguidance grammar (JSON text, made and checked
+at the gateway by :mod:`shared.structured`). Here:
+
+* :class:`GrammarBackend` owns the llguidance tokenizer of the served model (built once from
+  the model folder's Hugging Face tokenizer, ~1 s) and a cache of compiled grammars: the first
+  sequence with a grammar compiles it into a matcher, every later one starts from a
+  ``deep_copy`` of that (microseconds).
+* Each sequence holds its own ``LLMatcher``; :meth:`GrammarBackend.matcher_for` replays the
+  output tokens a resumed sequence already has (a failover to another decode worker, or the
+  hand-off from prefill), so its state is exactly what it was on the worker before.
+* :meth:`GrammarBackend.start_masks` computes the allowed-token bitmasks of every
+  constrained row of a step in one llguidance call (its executor spreads the rows over
+  threads, without the GIL), in a background thread *while the forward pass runs*; the sampler
+  waits for the result (:class:`MaskJob`) and sets every disallowed logit to -inf.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import llguidance
+import torch
+
+from shared.errors import InvalidRequest
+
+#: Compiled grammars kept per worker (least recently used dropped first).
+GRAMMAR_CACHE_SIZE = 256
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class MaskJob:
+    """The masks of one step's constrained rows, being computed in the background.
+
+    ``rows`` are indices into the step's sampled rows; :meth:`allowed` waits for the result.
+    """
+
+    def __init__(self, rows: list[int], future: Future, vocab_size: int):
+        self.rows = rows
+        self._future = future
+        self._vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """``[len(rows), vocab_size]`` bool: True where the grammar allows the token."""
+        bitmask: torch.Tensor = self._future.result()
+        return unpack_bitmask(bitmask, self._vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Wait for the masks and set the disallowed logits of ``logits: [batch, vocab]`` to
+        -inf, in place."""
+        apply_allowed(logits, self.rows, self.allowed())
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's ``[rows, ceil(vocab/32)]`` int32 bitmask (bit ``j`` of word ``w`` is
+    token ``32 w + j``) as a ``[rows, vocab_size]`` bool tensor."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_allowed(logits: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor) -> None:
+    """Set disallowed logits to -inf, in place. ``logits: [batch, vocab]`` (vocab may exceed
+    the mask's width: the extra columns are padding tokens and are disallowed). A row the
+    grammar allows nothing for (an engine error state) is left unmasked rather than made NaN."""
+    if not rows:
+        return
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    width = allowed.shape[1]
+    ok = allowed.to(logits.device)
+    empty = ~ok.any(dim=1)
+    if bool(empty.any()):
+        ok[empty] = True
+    sub = logits[idx]
+    sub[:, :width] = sub[:, :width].masked_fill(~ok, float("-inf"))
+    if logits.shape[1] > width:
+        sub[:, width:] = float("-inf")
+    logits[idx] = sub
+
+
+class GrammarBackend:
+    """The llguidance tokenizer of one model, its grammar cache, and the mask computation.
+
+    Args:
+        ll_tokenizer: an ``llguidance.LLTokenizer`` whose vocabulary is the logits' width.
+        mask_threads: llguidance executor threads (None: its default, 80% of the CPUs).
+    """
+
+    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, mask_threads: int | None = None):
+        self.tokenizer = ll_tokenizer
+        self.vocab_size = ll_tokenizer.vocab_size
+        self.executor = llguidance.LLExecutor(num_threads=mask_threads)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> GrammarBackend:
+        """From a Hugging Face model folder's (fast) tokenizer, with ``vocab_size`` tokens
+        (the model's, which may exceed the tokenizer's) and the model's EOS tokens."""
+        import llguidance.hf
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        eos = sorted(eos_token_ids) or None
+        return cls(llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos))
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for ``grammar`` at its start state (compiled once, then copied).
+
+        Raises:
+            InvalidRequest: the grammar does not compile (400 on ``response_format``).
+        """
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is not None:
+                self._compiled.move_to_end(grammar)
+                return template.deep_copy()
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise InvalidRequest(f"invalid grammar: {template.get_error()}", param="response_format")
+        with self._lock:
+            self._compiled[grammar] = template
+            self.num_compiled += 1
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return template.deep_copy()
+
+    def matcher_for(self, grammar: str, output_token_ids: Sequence[int] = ()) -> llguidance.LLMatcher:
+        """A matcher for a sequence that already produced ``output_token_ids`` (replayed).
+
+        Raises:
+            InvalidRequest: the grammar does not compile, or the tokens do not follow it.
+        """
+        matcher = self.compile(grammar)
+        if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
+            raise InvalidRequest(f"the output so far does not follow the grammar: {matcher.get_error()}",
+                                 param="response_format")
+        return matcher
+
+    def fill(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
+        """The bitmasks of ``matchers`` now, ``[len(matchers), ceil(vocab/32)]`` int32, computed
+        in one llguidance call (rows in parallel on its executor)."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                              words * 4, len(matchers))
+        return bitmask
+
+    def start_masks(self, matchers: Sequence[llguidance.LLMatcher | None]) -> MaskJob | None:
+        """Start computing the masks of a step's sampled rows (None where unconstrained) in
+        the background; None when no row is constrained."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        active = [matchers[i] for i in rows]
+        return MaskJob(rows, self._pool.submit(self.fill, active), self.vocab_size)
+
+    @staticmethod
+    def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
+        """Feed the sampled token; True when the grammar is complete (only EOS may follow),
+        or the matcher failed (which ends the sequence rather than let it run unconstrained)."""
+        matcher.consume_token(token_id)
+        return matcher.is_stopped() or matcher.is_error()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
