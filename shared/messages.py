@@ -91,9 +91,14 @@ class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
     marks: list[tuple[str, float]] = []
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One chat message for the chat template; ``tool_calls`` (Hugging Face's shape, arguments
+    as objects) and ``tool_call_id`` only where the template renders tools itself."""
+
     role: str
     content: str
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class TokenizeTask(_Message, tag="tokenize"):
@@ -106,6 +111,7 @@ class TokenizeTask(_Message, tag="tokenize"):
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     max_tokens_is_default: bool = False
+    tools: list[dict] | None = None  # function tools for a chat template that renders them
 
 
 class PrefillTask(_Message, tag="prefill"):
