@@ -20,6 +20,7 @@ import torch
 
 from engine.block_manager import BlockManager, KVBlock
 from engine.config import EngineConfig
+from engine.grammar import LazyGrammar, advance
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_attention
 from engine.outputs import EngineStats, PromptKV, StepOutput
@@ -65,8 +66,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        self.tokenizer_folder = None  # where the grammar backend finds the tokenizer (set by load)
-        self._grammar = None
+        self.grammar = LazyGrammar(self.runner, mc.vocab_size, self.eos_token_ids)  # constrained decoding
 
     def _enable_cuda_graphs(self) -> None:
         """Capture decode graphs for the configured batch sizes; a capture that fails (an
@@ -94,25 +94,9 @@ class LLMEngine:
 
             apply_weights(model, config.weights, folder, device)
         engine = cls(model, config, eos_token_ids=eos_ids_of(model))
-        engine.tokenizer_folder = folder
+        engine.grammar.prepare(folder)
         return engine
 
-    def grammar_backend(self):
-        """The constrained-decoding backend (engine/grammar.py), built on first use from the
-        tokenizer in ``tokenizer_folder``.
-
-        Raises:
-            InvalidRequest: this engine has no tokenizer to build it from.
-        """
-        if self._grammar is None:
-            if self.tokenizer_folder is None:
-                raise InvalidRequest("this worker has no tokenizer for constrained decoding", param="response_format")
-            from engine.grammar import GrammarBackend
-
-            self._grammar = GrammarBackend.from_folder(self.tokenizer_folder, self.model.config.vocab_size,
-                                                       self.eos_token_ids)
-            self.runner.grammar = self._grammar
-        return self._grammar
 
     # --- properties ---------------------------------------------------------------------
     @property
@@ -182,7 +166,7 @@ class LLMEngine:
             block_hashes=list(block_hashes) if block_hashes else [],
         )
         if sampling.grammar is not None:
-            seq.matcher = self.grammar_backend().matcher_for(sampling.grammar, output_token_ids)
+            seq.matcher = self.grammar.get().matcher_for(sampling.grammar, output_token_ids)
         return seq
 
     def add_request(
@@ -350,7 +334,7 @@ class LLMEngine:
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
             reason = seq.check_finished()
-            if seq.matcher is not None and reason is None and self._grammar.advance(seq.matcher, token_id):
+            if seq.matcher is not None and reason is None and advance(seq.matcher, token_id):
                 reason = "stop"  # the grammar is complete: only EOS could follow
             ends_here = reason is not None or seq.stop_after_prefill
             out = StepOutput(seq, [token_id], [logprob], index=seq.num_output_tokens - 1, finished=ends_here,

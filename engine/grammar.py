@@ -163,12 +163,52 @@ class GrammarBackend:
         active = [matchers[i] for i in rows]
         return MaskJob(rows, self._pool.submit(self.fill, active), self.vocab_size)
 
-    @staticmethod
-    def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
-        """Feed the sampled token; True when the grammar is complete (only EOS may follow),
-        or the matcher failed (which ends the sequence rather than let it run unconstrained)."""
-        matcher.consume_token(token_id)
-        return matcher.is_stopped() or matcher.is_error()
-
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
+    """Feed a sampled token to a sequence's matcher; True when the grammar is complete (only
+    EOS may follow), or the matcher failed (which ends the sequence rather than let it run on
+    unconstrained)."""
+    matcher.consume_token(token_id)
+    return matcher.is_stopped() or matcher.is_error()
+
+
+class LazyGrammar:
+    """An engine's :class:`GrammarBackend`, built once from the model folder's tokenizer.
+
+    Args:
+        runner: the engine's ModelRunner (gets ``.grammar`` once built, to compute masks).
+        vocab_size: the model's vocabulary (logits width).
+        eos_token_ids: the model's EOS tokens (what a complete grammar allows).
+    """
+
+    def __init__(self, runner, vocab_size: int, eos_token_ids: Iterable[int]):
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.folder: str | Path | None = None
+        self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
+
+    def prepare(self, folder: str | Path) -> None:
+        """Set the tokenizer folder and build the backend in a background thread (~1 s, off
+        the first constrained request's path)."""
+        self.folder = folder
+        threading.Thread(target=self.get, name="grammar-init", daemon=True).start()
+
+    def get(self) -> GrammarBackend:
+        """The backend (built now if needed).
+
+        Raises:
+            InvalidRequest: no tokenizer folder was given.
+        """
+        with self._lock:
+            if self._backend is None:
+                if self.folder is None:
+                    raise InvalidRequest("this worker has no tokenizer for constrained decoding",
+                                         param="response_format")
+                self._backend = GrammarBackend.from_folder(self.folder, self.vocab_size, self.eos_token_ids)
+                self.runner.grammar = self._backend
+        return self._backend

@@ -38,9 +38,9 @@ ANY_OBJECT: dict = {"type": "object"}
 def _grammar(schema_json: str, param: str) -> str:
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema_json, overrides=JSON_OPTIONS)
-    except (ValueError, TypeError) as exc:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as exc:  # the binding raises ValueError, TypeError or RuntimeError on odd input
         raise InvalidRequest(f"invalid JSON schema in '{param}': {exc}", param=param) from None
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise InvalidRequest(f"invalid JSON schema in '{param}': {messages[0] if messages else 'rejected'}",
                              param=param)

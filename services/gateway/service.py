@@ -26,9 +26,9 @@ from services.gateway.openai_models import DetokenizeRequest, TokenizeRequest
 from services.gateway.parse import ChoiceBuilder
 from services.gateway.pipeline import PipelineClient
 from services.gateway.responses import Responses, sse
-from services.gateway.tool_responses import responses_for
 from services.gateway.run import Choice, RequestRun
 from services.gateway.timelines import Timeline
+from services.gateway.tool_responses import responses_for
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
 from shared.errors import Aborted, Overloaded, PdError, ServiceUnavailable
