@@ -20,6 +20,7 @@ at the gateway by :mod:`shared.structured`). Here:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -31,9 +32,13 @@ import torch
 
 from shared.errors import InvalidRequest
 
+#: Rows from which one parallel executor call beats a call per row (a per-step mask costs
+#: ~10-50 us a row for a JSON schema on a 49k vocabulary).
+PARALLEL_MIN_ROWS = 8
 #: Compiled grammars kept per worker (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
-_BITS = torch.arange(32, dtype=torch.int32)
+#: Byte value → its 8 bits, least significant first.
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
 
 
 class MaskJob:
@@ -60,9 +65,10 @@ class MaskJob:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's ``[rows, ceil(vocab/32)]`` int32 bitmask (bit ``j`` of word ``w`` is
-    token ``32 w + j``) as a ``[rows, vocab_size]`` bool tensor."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    token ``32 w + j``) as a ``[rows, vocab_size]`` bool tensor: one table lookup per byte
+    (little-endian: byte ``k`` of word ``w`` holds tokens ``32 w + 8 k ..``)."""
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()
+    return _BYTE_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_allowed(logits: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor) -> None:
@@ -71,16 +77,17 @@ def apply_allowed(logits: torch.Tensor, rows: Sequence[int], allowed: torch.Tens
     grammar allows nothing for (an engine error state) is left unmasked rather than made NaN."""
     if not rows:
         return
-    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
     width = allowed.shape[1]
-    ok = allowed.to(logits.device)
-    empty = ~ok.any(dim=1)
-    if bool(empty.any()):
-        ok[empty] = True
+    drop = ~allowed.to(logits.device)
+    drop[drop.all(dim=1)] = False
+    if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
+        logits[:, :width].masked_fill_(drop, float("-inf"))
+        logits[:, width:] = float("-inf")
+        return
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
     sub = logits[idx]
-    sub[:, :width] = sub[:, :width].masked_fill(~ok, float("-inf"))
-    if logits.shape[1] > width:
-        sub[:, width:] = float("-inf")
+    sub[:, :width].masked_fill_(drop, float("-inf"))
+    sub[:, width:] = float("-inf")
     logits[idx] = sub
 
 
@@ -146,12 +153,18 @@ class GrammarBackend:
         return matcher
 
     def fill(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
-        """The bitmasks of ``matchers`` now, ``[len(matchers), ceil(vocab/32)]`` int32, computed
-        in one llguidance call (rows in parallel on its executor)."""
+        """The bitmasks of ``matchers`` now, ``[len(matchers), ceil(vocab/32)]`` int32: one
+        llguidance executor call (rows in parallel) for :data:`PARALLEL_MIN_ROWS` rows or more
+        on a machine with more than 4 CPUs, else one call per row (cheaper there:
+        ``loadtest/bench_grammar.py`` measures both)."""
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
-        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
-                                              words * 4, len(matchers))
+        if len(matchers) >= PARALLEL_MIN_ROWS and (os.cpu_count() or 1) > 4:
+            self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                                  words * 4, len(matchers))
+        else:
+            for i, m in enumerate(matchers):
+                m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
         return bitmask
 
     def start_masks(self, matchers: Sequence[llguidance.LLMatcher | None]) -> MaskJob | None:

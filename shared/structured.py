@@ -56,7 +56,7 @@ def schema_grammar(schema: dict, param: str) -> str:
     if not isinstance(schema, dict):
         raise InvalidRequest(f"invalid JSON schema in '{param}': a schema is an object", param=param)
     try:
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # key order kept: properties are generated in the order given
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"invalid JSON schema in '{param}': {exc}", param=param) from None
     return _grammar(text, param)
