@@ -37,8 +37,9 @@ from shared.errors import InvalidRequest
 PARALLEL_MIN_ROWS = 8
 #: Compiled grammars kept per worker (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
-#: Byte value → its 8 bits, least significant first.
+#: Byte value → its 8 bits, least significant first (allowed), and as a 0 / -inf bias.
 _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+_BYTE_BIAS = torch.where(_BYTE_BITS, 0.0, float("-inf"))
 
 
 class MaskJob:
@@ -54,39 +55,48 @@ class MaskJob:
 
     def allowed(self) -> torch.Tensor:
         """``[len(rows), vocab_size]`` bool: True where the grammar allows the token."""
-        bitmask: torch.Tensor = self._future.result()
-        return unpack_bitmask(bitmask, self._vocab_size)
+        return unpack_bitmask(self._future.result(), self._vocab_size)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for the masks and set the disallowed logits of ``logits: [batch, vocab]`` to
         -inf, in place."""
-        apply_allowed(logits, self.rows, self.allowed())
+        apply_bitmask(logits, self.rows, self._future.result())
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's ``[rows, ceil(vocab/32)]`` int32 bitmask (bit ``j`` of word ``w`` is
-    token ``32 w + j``) as a ``[rows, vocab_size]`` bool tensor: one table lookup per byte
-    (little-endian: byte ``k`` of word ``w`` holds tokens ``32 w + 8 k ..``)."""
+    token ``32 w + j``) as a ``[rows, vocab_size]`` bool tensor (True: allowed)."""
+    return _byte_lookup(bitmask, _BYTE_BITS)[:, :vocab_size]
+
+
+def _byte_lookup(bitmask: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    # little-endian: byte k of word w holds tokens 32 w + 8 k .. 32 w + 8 k + 7
     as_bytes = bitmask.contiguous().view(torch.uint8).long()
-    return _BYTE_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    return torch.nn.functional.embedding(as_bytes, table).reshape(bitmask.shape[0], -1)
 
 
-def apply_allowed(logits: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor) -> None:
-    """Set disallowed logits to -inf, in place. ``logits: [batch, vocab]`` (vocab may exceed
-    the mask's width: the extra columns are padding tokens and are disallowed). A row the
-    grammar allows nothing for (an engine error state) is left unmasked rather than made NaN."""
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """Set the logits a bitmask disallows to -inf, in place: ``logits: [batch, vocab]``,
+    ``bitmask[k]`` the mask of row ``rows[k]``. Columns past the mask's width (padding tokens)
+    are disallowed. A row whose mask allows nothing (a matcher in an error state) is left
+    alone rather than made NaN. One table lookup per mask byte gives an additive 0 / -inf
+    bias (a bool ``masked_fill`` costs several times more on CPU: bench_grammar.py)."""
     if not rows:
         return
-    width = allowed.shape[1]
-    drop = ~allowed.to(logits.device)
-    drop[drop.all(dim=1)] = False
+    vocab = logits.shape[1]
+    bias = _byte_lookup(bitmask, _BYTE_BIAS)
+    width = min(bias.shape[1], vocab)
+    bias = bias[:, :width].to(logits.device)
+    empty = ~(bitmask != 0).any(dim=1)
+    if bool(empty.any()):
+        bias[empty.to(bias.device)] = 0.0
     if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
-        logits[:, :width].masked_fill_(drop, float("-inf"))
+        logits[:, :width] += bias
         logits[:, width:] = float("-inf")
         return
     idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
     sub = logits[idx]
-    sub[:, :width].masked_fill_(drop, float("-inf"))
+    sub[:, :width] += bias
     sub[:, width:] = float("-inf")
     logits[idx] = sub
 

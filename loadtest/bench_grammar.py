@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from engine.grammar import GrammarBackend, apply_allowed, unpack_bitmask
+from engine.grammar import GrammarBackend, apply_bitmask, unpack_bitmask
 from shared.structured import schema_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
@@ -82,7 +82,7 @@ def run(backend: GrammarBackend, hf_tokenizer, batch: int, steps: int) -> dict:
         timings["one_batched_call"].append(t2 - t1)
         timings["batched_and_applied"].append(t3 - t2)
         timings["consume"].append(t5 - t4)
-    apply_allowed(logits, list(range(batch)), allowed)
+    apply_bitmask(logits, list(range(batch)), bitmask)
     return {"batch": batch, "steps": steps, **{k: round(_ms(v), 3) for k, v in timings.items()}}
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, eos_ids_of
-from engine.grammar import apply_allowed, unpack_bitmask
+from engine.grammar import apply_bitmask, unpack_bitmask
 from shared.errors import InvalidRequest
 from shared.messages import SamplingParams
 from shared.structured import response_format_grammar, schema_grammar, tool_call_schema
@@ -41,14 +41,16 @@ def test_bitmask_unpacking_and_masking():
     assert allowed.shape == (2, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2]
     assert allowed[1].nonzero().flatten().tolist() == list(range(33))
-    logits = torch.zeros(3, 42)  # wider than the mask: padding columns are disallowed
-    apply_allowed(logits, [0, 2], allowed)
+    logits = torch.zeros(3, 72)  # wider than the mask: padding columns are disallowed
+    apply_bitmask(logits, [0, 2], bitmask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(logits[1]).all()  # unconstrained row untouched
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == list(range(33))
-    nothing = torch.zeros(1, 40, dtype=torch.bool)
-    row = torch.zeros(1, 40)
-    apply_allowed(row, [0], nothing)  # an empty mask (a matcher in error) never makes a NaN row
+    whole = torch.randn(2, 64)
+    apply_bitmask(whole, [0, 1], bitmask)  # every row constrained: the in-place path
+    assert torch.isfinite(whole).tolist() == unpack_bitmask(bitmask, 64).tolist()
+    row = torch.zeros(1, 64)
+    apply_bitmask(row, [0], torch.zeros(1, 2, dtype=torch.int32))  # a matcher in error: never a NaN row
     assert torch.isfinite(row).all()
 
 
