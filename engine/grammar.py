@@ -84,12 +84,14 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tens
     if not rows:
         return
     vocab = logits.shape[1]
-    bias = _byte_lookup(bitmask, _BYTE_BIAS)
+    device = logits.device
+    table = _BYTE_BIAS if device.type == "cpu" else _BYTE_BIAS.to(device)  # only the packed mask travels
+    bias = _byte_lookup(bitmask.to(device, non_blocking=True), table)
     width = min(bias.shape[1], vocab)
-    bias = bias[:, :width].to(logits.device)
+    bias = bias[:, :width]
     empty = ~(bitmask != 0).any(dim=1)
     if bool(empty.any()):
-        bias[empty.to(bias.device)] = 0.0
+        bias[empty.to(device)] = 0.0
     if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
         logits[:, :width] += bias
         logits[:, width:] = float("-inf")
