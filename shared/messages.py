@@ -39,8 +39,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``seed`` is always set by the gateway (a random one when the client gave none), so every
     request is reproducible and can be regenerated token for token after a worker dies.
     ``max_tokens`` counts output tokens. ``logprobs``: None = off, k = the chosen token's
-    log-probability plus the k most likely alternatives. ``grammar``: an llguidance grammar
-    (JSON text, ``shared/structured.py``) every output token must follow; None = free text.
+    log-probability plus the k most likely alternatives. ``grammar``: llguidance grammar
+    (``shared/structured.py``) the output must follow; None = free text.
     """
 
     max_tokens: int
@@ -92,8 +92,7 @@ class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One chat message for the chat template; ``tool_calls`` (Hugging Face's shape, arguments
-    as objects) and ``tool_call_id`` only where the template renders tools itself."""
+    """A chat message; ``tool_calls``/``tool_call_id`` only for templates that render tools."""
 
     role: str
     content: str
