@@ -92,11 +92,9 @@ class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A chat message; ``tool_calls``/``tool_call_id`` only for templates that render tools."""
-
     role: str
     content: str
-    tool_calls: list[dict] | None = None
+    tool_calls: list[dict] | None = None  # these two only for chat templates that render tools
     tool_call_id: str | None = None
 
 
