@@ -29,8 +29,10 @@ def _body(i: int, stream: bool) -> dict:
 
 def test_json_streams_survive_a_decode_worker_kill(tmp_path, tiny_model_dir, nats_url):
     ns = f"t{uuid.uuid4().hex[:10]}"
+    # room for 3 sequences per decode worker: the 6 streams are split 3 and 3, so the killed
+    # worker surely held some
     with deployment(tmp_path, str(tiny_model_dir), ns, replicas={"decode": 2}, block_size=4, ack_wait_s=3.0,
-                    stall_timeout_s=30.0) as dep:
+                    stall_timeout_s=30.0, max_num_seqs=3) as dep:
         n = 6
         with httpx.Client(base_url=dep.url, timeout=120) as client:
             expected = [client.post("/v1/chat/completions", json=_body(i, False)).json()["choices"][0]["message"]["content"]
@@ -70,6 +72,9 @@ def test_json_streams_survive_a_decode_worker_kill(tmp_path, tiny_model_dir, nat
 
         results = asyncio.run(run())
         assert decoders[0].popen.poll() is not None  # it was killed while the streams ran
+        survivor = [json.loads(line) for line in decoders[1].log_path.read_text(errors="replace").splitlines()
+                    if line.startswith("{") and '"resumed"' in line]
+        assert any(e.get("num_tokens", 0) > 1 for e in survivor), "no stream was resumed mid-way"
         for (text, finish), want in zip(results, expected):
             assert finish == "stop"
             jsonschema.validate(json.loads(text), SCHEMA)
