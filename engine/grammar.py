@@ -20,6 +20,7 @@ at the gateway by :mod:`shared.structured`). Here:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections import OrderedDict
@@ -237,3 +238,13 @@ class LazyGrammar:
                 self._backend = GrammarBackend.from_folder(self.folder, self.vocab_size, self.eos_token_ids)
                 self.runner.grammar = self._backend
         return self._backend
+
+    async def precompile(self, grammar: str | None) -> None:
+        """Compile ``grammar`` into the cache in a worker thread, so that the engine thread
+        only copies it when the sequence is added (errors are left for that moment)."""
+        if grammar is None:
+            return
+        try:
+            await asyncio.to_thread(lambda: self.get().compile(grammar))
+        except Exception:  # reported by add_request, where a request's errors belong
+            return

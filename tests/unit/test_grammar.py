@@ -3,6 +3,7 @@ the gibberish model, makes the output valid JSON; masks; replay after a resume (
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -120,3 +121,9 @@ def test_grammar_cache_compiles_each_schema_once(engine):
     first, second = backend.compile(grammar), backend.compile(grammar)
     assert first is not second and backend.num_compiled <= before + 1
     assert response_format_grammar({"type": "text"}) is None
+    fresh = schema_grammar({"type": "array", "items": {"type": "integer"}}, "response_format")
+    count = backend.num_compiled
+    asyncio.run(engine.grammar.precompile(fresh))  # what the workers do before admitting
+    backend.compile(fresh)
+    assert backend.num_compiled == count + 1
+    asyncio.run(engine.grammar.precompile('{"grammars": "not one"}'))  # errors are left for add_request
