@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.gateway.tool_models import MAX_TOOLS, ResponseFormat, Tool, ToolCallIn, ToolChoice
+from services.gateway.tools import check_tool_request
 from shared.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
@@ -203,8 +204,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _checks(self):
-        from services.gateway.tools import check_tool_request
-
         check_tool_request(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -59,13 +59,13 @@ class Tool(_Base):
         return {"type": "function", "function": fn}
 
 
-class FunctionName_(_Base):
+class NamedFunction(_Base):
     name: FunctionName
 
 
 class NamedToolChoice(_Base):
     type: Literal["function"]
-    function: FunctionName_
+    function: NamedFunction
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
