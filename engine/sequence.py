@@ -63,6 +63,8 @@ class Sequence:
     num_preemptions: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     matcher: Any = None  # the llguidance matcher of a constrained sequence (engine/grammar.py)
+    #: with ``sampling.prompt_logprobs``: entry i is prompt token i + 1's (engine/prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.update_block_hashes()

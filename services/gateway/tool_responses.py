@@ -21,12 +21,12 @@ from services.gateway.run import Choice, Delta
 from services.gateway.tools import may_become_call, new_call_id, parse_tool_calls, tool_mode
 
 
-def responses_for(endpoint: str, request_id: str, model: str, created: int, req, echo_texts: list[str]) -> Responses:
+def responses_for(endpoint: str, request_id: str, model: str, created: int, req, echo_texts: list[str],
+                  prompt_echo=None) -> Responses:
     """The response builder of a request: :class:`ToolResponses` when its output is read
-    for tool calls, else the plain one."""
-    if endpoint == "chat" and tool_mode(req)[0] != "none":
-        return ToolResponses(endpoint, request_id, model, created, req, echo_texts)
-    return Responses(endpoint, request_id, model, created, req, echo_texts)
+    for tool calls, else the plain one (arguments as for :class:`Responses`)."""
+    cls = ToolResponses if endpoint == "chat" and tool_mode(req)[0] != "none" else Responses
+    return cls(endpoint, request_id, model, created, req, echo_texts, prompt_echo)
 
 
 class ToolResponses(Responses):
@@ -40,7 +40,7 @@ class ToolResponses(Responses):
         self.held: dict[int, list[str]] = {}  # choice index → text held back
         self.held_logprobs: dict[int, list] = {}
         self.passing: set[int] = set()  # auto choices now known to be content
-        self._usage: dict | None = None  # continuous usage stats of the chunk being built
+        self._chunk_usage: dict | None = None  # continuous usage stats of the chunk being built
 
     def _calls(self, c: Choice, text: str) -> list[dict] | None:
         if self.mode == "named":
@@ -72,7 +72,7 @@ class ToolResponses(Responses):
         return out
 
     def _chunk(self, items: list[dict], usage: dict | None) -> bytes:
-        return super()._chunk(items, usage if usage is not None else self._usage)
+        return super()._chunk(items, usage if usage is not None else self._chunk_usage)
 
     def _item(self, c: Choice, delta: dict, logprobs: list, finish: str | None) -> dict:
         return {"index": c.index, "delta": delta,
@@ -81,7 +81,7 @@ class ToolResponses(Responses):
 
     def delta_chunk(self, d: Delta, choices: list[Choice]) -> bytes:
         c = d.choice
-        self._usage = usage_of(choices) if self.continuous_usage else None
+        self._chunk_usage = usage_of(choices) if self.continuous_usage else None
         if self.mode == "named":
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
             finish = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
