@@ -4,6 +4,7 @@ the gibberish model, makes the output valid JSON; masks; replay after a resume (
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import jsonschema
@@ -26,7 +27,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tiny_model_dir):
     model, _, _ = tiny_model
-    eng = LLMEngine(model, EngineConfig(model_id="tiny", block_size=4, num_kv_blocks=1024, max_num_seqs=32),
+    # a copy: the C++ attention backend rewires the model it is given in place
+    eng = LLMEngine(copy.deepcopy(model), EngineConfig(model_id="tiny", block_size=4, num_kv_blocks=1024, max_num_seqs=32),
                     eos_token_ids=eos_ids_of(model))
     eng.grammar.folder = tiny_model_dir
     return eng
