@@ -300,6 +300,7 @@ class DecodeWorker(ModelWorker):
             # opened before admission: the engine's first output may reach _on_outputs before
             # this coroutine resumes
             req.stream = self.streams.open(rid, req.postfilter, items=output_ids, context=task)
+            await self.engine.grammar.precompile(task.sampling.grammar)  # off the engine thread
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
                 rid, task.prompt_token_ids, output_ids, task.sampling, hashes, blocks, tail,
                 cache_salt=meta.cache_salt))

@@ -29,6 +29,7 @@ from services.gateway.pipeline import PipelineClient
 from services.gateway.responses import Responses, sse
 from services.gateway.run import Choice, RequestRun
 from services.gateway.timelines import Timeline
+from services.gateway.tool_responses import responses_for
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
 from shared.errors import Aborted, Overloaded, PdError, ServiceUnavailable
@@ -86,8 +87,8 @@ class Gateway:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
         self.client.check_ready()
         # echo prompts are checked first: a 400 never holds a concurrent slot or a reservation
-        responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req,
-                              self.choices.echo_texts(req), PromptEcho.of(req, self.prompts))
+        responses = responses_for(endpoint, request_id, self.model_name, int(time.time()), req,
+                                  self.choices.echo_texts(req), PromptEcho.of(req, self.prompts))
         ticket = await self._admit(tenant, choices)
         run = self._new_run(request, endpoint, choices, request_id, ticket, received_at)
         if not req.stream:

@@ -158,6 +158,7 @@ class PrefillWorker(ModelWorker):
             with span("prefill", meta.headers, request_id=rid, prompt_tokens=len(task.prompt_token_ids)) as carry:
                 meta = msgspec.structs.replace(meta, headers=carry or meta.headers)
                 store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
+                await self.engine.grammar.precompile(task.sampling.grammar)  # off the engine thread
                 await self.engine_loop.call(lambda e: e.add_request(
                     rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
                     cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
