@@ -44,6 +44,7 @@ from shared.messages import (
     ResumeQuery,
     ResumeState,
     StreamSpec,
+    TextResend,
     TokenChunk,
     TokenResend,
     decode_as,
@@ -84,6 +85,7 @@ class DecodeWorker(ModelWorker):
     async def serve(self) -> None:
         await super().serve()
         await self.bus.subscribe(self.protocol.decode_control(self.instance_id), self._on_control_message)
+        await self.bus.subscribe(self.protocol.resend, self._on_resend_broadcast)
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
@@ -157,6 +159,21 @@ class DecodeWorker(ModelWorker):
             self.post(stream.target, TokenChunk(request_id=message.request_id, index=piece.index,
                                                 token_ids=piece.items, finish_reason=piece.finish_reason,
                                                 worker=self.instance_id))
+
+    async def _on_resend_broadcast(self, message) -> None:
+        """A gateway has no text of a request yet: if this worker streams it, send its tokens
+        again from index 0 with the StreamSpec, to the same postfilter — the first token
+        (prefill's, or this worker's) may have been lost before the postfilter knew the request.
+        A postfilter that has them drops the duplicates."""
+        if not isinstance(message, TextResend) or message.from_offset != 0:
+            return
+        stream = self.streams.get(message.request_id)
+        if stream is None or stream.num_items == 0:
+            return
+        task: DecodeTask = stream.context
+        spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
+        self.post(stream.target, TokenChunk(request_id=message.request_id, index=0, token_ids=list(stream.items()),
+                                            spec=spec, finish_reason=stream.finish_reason, worker=self.instance_id))
 
     # --- peers ------------------------------------------------------------------------------
     def _postfilter_alive(self, inbox: str) -> bool:
