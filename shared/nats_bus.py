@@ -49,6 +49,8 @@ PUBLISH_RETRY_S = 20.0
 RETRYABLE_PUBLISH_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
                             nats.errors.StaleConnectionError,
                             nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError)
+#: Seconds between checks that an idle work queue's consumer still exists.
+CONSUMER_CHECK_S = 5.0
 #: Lookups of a stream found missing before it is declared again (a second apart).
 STREAM_LOOKUPS = 3
 #: How long a one-shot client waits for its first connection to NATS.
@@ -239,6 +241,7 @@ class NatsBus(Bus):
         self.js = nc.jetstream()
         self.settings = settings
         self._pull_subs: dict[str, object] = {}
+        self._checked_at: dict[str, float] = {}  # durable → loop time of its last existence check
 
     @classmethod
     async def connect(cls, settings: Settings, name: str, *, max_reconnect_attempts: int = -1) -> NatsBus:
@@ -267,6 +270,7 @@ class NatsBus(Bus):
                 self._pull_subs[queue.durable] = psub
             msgs = await psub.fetch(max_items, timeout=timeout_s)
         except (TimeoutError, nats.errors.TimeoutError):
+            await self._check_consumer(queue)
             return []
         except (NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
             log.warning("consumer_missing", queue=queue.stream, error=str(exc))
@@ -274,6 +278,22 @@ class NatsBus(Bus):
             await self._recover_queue(queue)
             return []
         return [_NatsDelivery(m) for m in msgs]
+
+    async def _check_consumer(self, queue: WorkQueue) -> None:
+        """After an empty fetch, at most every ``CONSUMER_CHECK_S``: a fetch from a consumer
+        (or stream) that is gone just times out, so ask whether it still exists."""
+        now = asyncio.get_running_loop().time()
+        if now - self._checked_at.get(queue.durable, now - CONSUMER_CHECK_S - 1) < CONSUMER_CHECK_S:
+            return
+        self._checked_at[queue.durable] = now
+        try:
+            await self.js.consumer_info(queue.stream, queue.durable, timeout=2.0)
+        except NotFoundError as exc:
+            log.warning("consumer_missing", queue=queue.stream, error=str(exc))
+            self._pull_subs.pop(queue.durable, None)
+            await self._recover_queue(queue)
+        except Exception:
+            pass  # no answer now (reconnecting, electing a leader): the next check asks again
 
     async def _recover_queue(self, queue: WorkQueue) -> None:
         """Declare a queue found missing again. A server still recovering its streams after a
@@ -283,7 +303,7 @@ class NatsBus(Bus):
         await asyncio.sleep(0.5)
         for _ in range(STREAM_LOOKUPS):
             try:
-                await self.js.stream_info(queue.stream, timeout=2.0)
+                await self.js.stream_info(queue.stream)
                 break
             except NotFoundError:
                 await asyncio.sleep(1.0)
