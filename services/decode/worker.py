@@ -81,6 +81,8 @@ class DecodeWorker(ModelWorker):
         self.active: dict[str, ActiveRequest] = {}
         # token streams: running ones, and finished ones kept for resends and replays
         self.streams = SentStreams(MAX_FINISHED_STREAMS, finished_ttl_s=float("inf"))
+        self.checking_gateway: set[str] = set()  # requests whose gateway is being asked about
+        self.gateway_checks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
         await super().serve()
@@ -204,8 +206,11 @@ class DecodeWorker(ModelWorker):
                     continue
                 reply_to = req.task.meta.reply_to
                 if reply_to in self.gateways_seen and reply_to not in gateways:
-                    self.log.warning("gateway_gone", request_id=rid)
-                    await self.on_abort(Abort(request_id=rid, reason="gateway_gone"))
+                    if rid not in self.checking_gateway:
+                        self.checking_gateway.add(rid)
+                        task = asyncio.get_running_loop().create_task(self._drop_if_gateway_gone(rid, req))
+                        self.gateway_checks.add(task)
+                        task.add_done_callback(self.gateway_checks.discard)
                     continue
                 self._reroute_if_orphaned(rid, req.stream)
             # finished here, but the postfilter died before it could deliver the end: a death
@@ -214,6 +219,17 @@ class DecodeWorker(ModelWorker):
             for rid, stream in list(self.streams.finished_since(horizon)):
                 if stream.context.meta.reply_to in gateways:
                     self._reroute_if_orphaned(rid, stream)
+
+    async def _drop_if_gateway_gone(self, rid: str, req: ActiveRequest) -> None:
+        """The request's gateway has sent no heartbeat for a while: drop the request only if
+        the gateway confirms it (asked as for redelivered work: no answer means alive). Its
+        heartbeats may just be stuck behind a frozen or restarting broker node (issue 19)."""
+        try:
+            if not await self.still_wanted(req.task.meta, num_delivered=2):
+                self.log.warning("gateway_gone", request_id=rid)
+                await self.on_abort(Abort(request_id=rid, reason="gateway_gone"))
+        finally:
+            self.checking_gateway.discard(rid)
 
     def _reroute_if_orphaned(self, rid: str, stream: StreamSender) -> None:
         """If the stream's postfilter died, replay the stream to a live one."""
