@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
+from loadtest.chaos_refs import cached_references
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
@@ -272,7 +273,10 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     prompts = make_prompts(requests)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy) ...")
-    expected = references(settings, prompts, max_tokens)
+    from engine.model_loader import ensure_model
+
+    expected = cached_references(Path(ensure_model(settings)), prompts, max_tokens,
+                                 lambda: references(settings, prompts, max_tokens))
     replicas = {"tokenizer": 1, "prefill": 2, "decode": 2, "postfilter": 1, "gateway": 1}
     dep = launcher.up(settings, replicas, root / "state", ready_timeout_s=600, quiet=True)
     sup = SupervisorThread(launcher.Supervisor(dep))
