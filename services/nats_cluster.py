@@ -95,6 +95,11 @@ class NatsCluster:
             self.start_node(node)
         for node in self.nodes:
             self.wait_healthy(node, timeout_s)
+        end = time.monotonic() + timeout_s
+        while self.meta_leader() is None:  # streams can be created once the meta group has a leader
+            if time.monotonic() > end:
+                raise RuntimeError(f"the NATS cluster elected no JetStream meta leader; see the logs in {self.root}")
+            time.sleep(0.2)
 
     def healthy(self, node: Node) -> bool:
         """JetStream on ``node`` is up and current with the meta group (its ``/healthz``)."""

@@ -253,8 +253,14 @@ class NatsBus(Bus):
         return self.nc.is_connected
 
     async def ensure_queues(self, queues: Iterable[WorkQueue]) -> None:
+        """Declare the queues; JetStream not answering yet (a cluster electing its meta leader,
+        a node restarting) is waited for, up to ``PUBLISH_RETRY_S``."""
         for queue in queues:
-            await ensure_work_queue(self.js, queue, self.settings)
+            async for attempt in AsyncRetrying(retry=retry_if_exception_type(RETRYABLE_PUBLISH_ERRORS),
+                                               stop=stop_after_delay(PUBLISH_RETRY_S),
+                                               wait=wait_random_exponential(multiplier=0.2, max=2.0), reraise=True):
+                with attempt:
+                    await ensure_work_queue(self.js, queue, self.settings)
 
     async def publish_work(self, queue: WorkQueue, message: messages.Message, request_id: str,
                            headers: dict[str, str] | None = None) -> None:
