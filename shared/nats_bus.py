@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from shared import messages
 from shared.bus import Bus, Delivery, EventHandler, NoResponders, PoisonHandler, RequestHandler
@@ -53,6 +53,17 @@ RETRYABLE_PUBLISH_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersEr
 CONSUMER_CHECK_S = 5.0
 #: Lookups of a stream found missing before it is declared again (a second apart).
 STREAM_LOOKUPS = 3
+#: JetStream's "duplicate message id is in process": the first publish of this id is still being
+#: replicated (a retry crossed it during a leader election); asking again gets its answer.
+DUPLICATE_IN_PROCESS = 10158
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a failed publish (or declaration) means "not now" rather than "never"."""
+    return isinstance(exc, RETRYABLE_PUBLISH_ERRORS) or (
+        isinstance(exc, nats.js.errors.APIError) and exc.err_code == DUPLICATE_IN_PROCESS)
+
+
 #: How long a one-shot client waits for its first connection to NATS.
 CONNECT_DEADLINE_S = 5.0
 
@@ -140,7 +151,7 @@ async def publish_task(
         # through a broker restart or a stream leader election: the same Nats-Msg-Id, so a
         # publish that was stored but whose ack was lost is not queued twice
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(RETRYABLE_PUBLISH_ERRORS),
+            retry=retry_if_exception(is_retryable),
             stop=stop_after_delay(PUBLISH_RETRY_S),
             wait=wait_random_exponential(multiplier=0.1, max=1.0),
             reraise=True,
@@ -256,7 +267,7 @@ class NatsBus(Bus):
         """Declare the queues; JetStream not answering yet (a cluster electing its meta leader,
         a node restarting) is waited for, up to ``PUBLISH_RETRY_S``."""
         for queue in queues:
-            async for attempt in AsyncRetrying(retry=retry_if_exception_type(RETRYABLE_PUBLISH_ERRORS),
+            async for attempt in AsyncRetrying(retry=retry_if_exception(is_retryable),
                                                stop=stop_after_delay(PUBLISH_RETRY_S),
                                                wait=wait_random_exponential(multiplier=0.2, max=2.0), reraise=True):
                 with attempt:

@@ -202,8 +202,8 @@ class StreamReceiver(Generic[Payload]):
             return Resend(self.source, 0)
         if self.gap_since and now - self.gap_since > p.gap_timeout_s:
             raise StreamGap(f"{self.unit} {self.next_index} never arrived")
-        if not self.source:
-            return None
+        # an unknown owner (nothing came from it yet: only a first piece from another sender)
+        # gets a Resend with source "": the caller asks every possible sender
         gap_open = self.gap_since and now - self.gap_since >= p.gap_resend_after_s
         if gap_open and now - self.last_resend_at >= p.resend_interval_s:
             return self._resend(now)

@@ -163,10 +163,14 @@ class DecodeWorker(ModelWorker):
                                                 worker=self.instance_id))
 
     async def _on_resend_broadcast(self, message) -> None:
-        """A gateway has no text of a request yet: if this worker streams it, send its tokens
-        again from index 0 with the StreamSpec, to the same postfilter — the first token
-        (prefill's, or this worker's) may have been lost before the postfilter knew the request.
-        A postfilter that has them drops the duplicates."""
+        """A broadcast resend: a postfilter that does not know which decode worker streams a
+        request (only prefill's first token came) asks all of them (a TokenResend, answered as
+        one sent here); a gateway with no text yet (a TextResend from 0) gets the tokens sent
+        again from index 0 with the StreamSpec, to the same postfilter — the first token may
+        have been lost before the postfilter knew the request. Duplicates are dropped there."""
+        if isinstance(message, TokenResend):
+            await self._on_control_message(message)
+            return
         if not isinstance(message, TextResend) or message.from_offset != 0:
             return
         stream = self.streams.get(message.request_id)

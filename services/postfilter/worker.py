@@ -162,8 +162,8 @@ class PostfilterWorker(Worker):
                 except StreamGap as exc:
                     self._fail(rid, st, f"token stream gap: {exc}")
                     continue
-                if resend is not None:
-                    self.post(self.protocol.decode_control(resend.source),
+                if resend is not None:  # to its decode worker; to all when none has spoken yet
+                    self.post(self.protocol.decode_control(resend.source) if resend.source else self.protocol.resend,
                               TokenResend(request_id=rid, from_index=resend.from_index))
             self.texts.expire(mono)
 

@@ -116,6 +116,22 @@ def test_a_whole_token_stream_lost_including_its_end(tiny_model_dir, reference):
     assert text == reference
 
 
+def test_every_decode_token_lost_after_prefills_first(tiny_model_dir, reference):
+    """Prefill's token 0 arrives, every token decode sends is lost, its end included: the
+    postfilter has heard from no decode worker, so it asks them all."""
+    ended = []
+
+    def drop(subject, message) -> bool:
+        if not isinstance(message, TokenChunk) or message.index == 0 or ended:
+            return False
+        ended.extend([True] if message.finish_reason else [])
+        return True
+
+    text, dropped = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
+    assert sum(len(m.token_ids) for m in dropped) == MAX_TOKENS - 1 and dropped[-1].finish_reason
+    assert text == reference
+
+
 def test_no_responders_right_after_a_restart_is_not_a_dead_gateway():
     """A redelivered item's gateway answers "no responders" while it re-subscribes after a broker
     restart: the worker keeps asking for heartbeat_timeout_s before it drops the work."""
