@@ -348,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="",
                    help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}")
     p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
+    p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
     args = p.parse_args(argv or [])
     scenarios = args.scenarios or ",".join(CLUSTER_SCENARIOS if args.nats_cluster > 1 else SCENARIOS)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
-                     [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster)
+                     [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
+                     workdir=Path(args.workdir) if args.workdir else None)
     print()
     print(format_rows(rows))
     for r in rows:
