@@ -50,7 +50,7 @@ class Relay:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                dst.sendall(data, socket.MSG_NOSIGNAL)  # a dead peer is EPIPE, never SIGPIPE
         except OSError:
             pass
         for s in (src, dst):
