@@ -13,7 +13,8 @@ streamed requests at ``--concurrency``:
   for): decode replays each orphaned stream to the live one, the gateway drops text it has;
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
-* ``disconnect``: a third of the clients go away at a random point of their stream.
+* ``disconnect``: a third of the clients go away at a random point of their stream;
+* with ``--nats-cluster 3``: ``nats-node`` and ``nats-freeze`` (``loadtest/chaos_cluster.py``).
 
 A fault scenario keeps sending requests (cycling through the prompts) until at least
 ``--min-faults`` faults have happened.
@@ -41,6 +42,8 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
+from loadtest.chaos_refs import cached_references
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
@@ -165,6 +168,9 @@ class Faults(threading.Thread):
             elif self.kind == "redis":
                 self.redis.restart(down_s=0.5)
                 self.count += 1
+            elif self.kind in CLUSTER_SCENARIOS:
+                cluster_fault(self.kind, self.nats, self.rng)
+                self.count += 1
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -243,20 +249,22 @@ def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]
 
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
-              interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None) -> list[Row]:
-    """Run the scenarios; returns one row each (also used by the CI test)."""
+              interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None,
+              nats_nodes: int = 1) -> list[Row]:
+    """Run the scenarios; returns one row each (also used by the CI test). ``nats_nodes`` > 1:
+    on a local NATS cluster of that many nodes, with stream replicas min(3, nodes)."""
     from services import launcher
     from shared.model_files import served_model_name
 
     tmp_ctx = tempfile.TemporaryDirectory() if workdir is None else None
     root = Path(tmp_ctx.name) if tmp_ctx else workdir
-    nats = NatsServer(root / "nats")
+    nats = make_nats(root / "nats", nats_nodes)
     redis = RedisServer(root / "redis")
     nats.start()
     redis.start()
     settings = Settings.from_env(
         model=model, namespace=f"chaos{uuid.uuid4().hex[:6]}", nats_url=nats.url, redis_url=redis.url,
-        kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
+        nats_replicas=min(3, nats_nodes), kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
         first_token_timeout_s=60.0, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
         ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
         # "wrong" compares texts exactly: float32, because bfloat16 (auto's choice on CPUs with
@@ -267,7 +275,10 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     prompts = make_prompts(requests)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy) ...")
-    expected = references(settings, prompts, max_tokens)
+    from engine.model_loader import ensure_model
+
+    expected = cached_references(Path(ensure_model(settings)), prompts, max_tokens,
+                                 lambda: references(settings, prompts, max_tokens))
     replicas = {"tokenizer": 1, "prefill": 2, "decode": 2, "postfilter": 1, "gateway": 1}
     if "postfilter" in scenarios:
         replicas["postfilter"] = 2  # a killed one fails over to the other
@@ -338,10 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--interval", type=float, default=4.0, help="seconds between faults")
     p.add_argument("--min-faults", type=int, default=3, help="keep sending requests until this many faults")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default="",
+                   help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}")
+    p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
+    p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
     args = p.parse_args(argv or [])
+    scenarios = args.scenarios or ",".join(CLUSTER_SCENARIOS if args.nats_cluster > 1 else SCENARIOS)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
-                     [s for s in args.scenarios.split(",") if s], args.interval, args.min_faults)
+                     [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
+                     workdir=Path(args.workdir) if args.workdir else None)
     print()
     print(format_rows(rows))
     for r in rows:

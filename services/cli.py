@@ -64,7 +64,8 @@ def cmd_up(args) -> int:
     affinity = launcher.pin_model_workers(replicas) if args.pin else None
 
     def start():
-        return launcher.up(settings, replicas, state_dir, args.ready_timeout, affinity=affinity)
+        return launcher.up(settings, replicas, state_dir, args.ready_timeout, affinity=affinity,
+                           nats_nodes=args.nats_cluster)
 
     if args.detach:
         print("pdserve: starting in the background ...", flush=True)
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in ("tokenizer", "prefill", "decode", "postfilter"):
         up.add_argument(f"--{stage}", type=int, default=1, metavar="N", help=f"{stage} replicas (default 1)")
     up.add_argument("--pin", action="store_true", help="pin each prefill/decode replica to its own CPU")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="with no NATS at PD_NATS_URL, start a local N-node cluster (JetStream, replicas 3)")
     up.add_argument("--port", type=int, help="gateway port (default PD_GATEWAY_PORT or 8000)")
     up.add_argument("--kv-store", choices=("shm", "redis"), help="KV store (default PD_KV_STORE or shm)")
     up.add_argument("--state-dir", default=None,

@@ -41,6 +41,9 @@ from shared.tracing import start_span
 
 log = get_logger("gateway")
 KEEPALIVE_S = 15.0
+#: Longest a request waits for the gateway to reconnect to NATS before a 503 (a broker restart
+#: takes a few seconds; see issue 19).
+RECONNECT_WAIT_S = 10.0
 #: Timelines kept for /debug/timeline.
 MAX_TIMELINES = 1000
 
@@ -85,6 +88,9 @@ class Gateway:
         """
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
+        reconnect_until = time.monotonic() + RECONNECT_WAIT_S
+        while not self.client.is_connected and time.monotonic() < reconnect_until:
+            await asyncio.sleep(0.05)  # a broker restart delays requests rather than refusing them
         self.client.check_ready()
         # echo prompts are checked first: a 400 never holds a concurrent slot or a reservation
         responses = responses_for(endpoint, request_id, self.model_name, int(time.time()), req,

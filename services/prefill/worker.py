@@ -42,6 +42,7 @@ from shared.messages import (
     StreamSpec,
     TokenChunk,
 )
+from shared.recovery import work_id
 from shared.timeline import with_mark
 from shared.tracing import span
 
@@ -215,7 +216,7 @@ class PrefillWorker(ModelWorker):
             kv=handle,
             num_cached_tokens=seq.num_cached_tokens,
         )
-        await self.bus.publish_work(self.protocol.decode, decode, meta.request_id)
+        await self.bus.publish_work(self.protocol.decode, decode, work_id(meta))
         await item.ack()
 
 
