@@ -229,23 +229,31 @@ def references(settings: Settings, prompts: list[str], max_tokens: int) -> list[
 
 
 def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]:
+    """(staged KV bytes, KV blocks held by prefill and decode workers) once the run has settled:
+    polled each second until both read zero twice in a row, at most ``wait_s`` + 15 s (the store
+    reaps blocks whose TTL ran out); the last reading otherwise."""
     from shared.kv import open_store
     from shared.observe import collect_heartbeats, scrape_metric
 
-    time.sleep(wait_s)
+    def held_blocks() -> int:
+        held = 0
+        for hb in collect_heartbeats(settings).values():
+            if hb.stage in ("prefill", "decode") and hb.metrics_port:
+                held += int(scrape_metric(hb.metrics_port, f"pd_{hb.stage}_kv_blocks_used"))
+        return held
+
     store = open_store(settings)
-    end = time.monotonic() + 15
-    staged = store.staged_bytes()
-    while staged and time.monotonic() < end:
-        time.sleep(1.0)
-        store.reap()
-        staged = store.staged_bytes()
-    store.close()
-    held = 0
-    for hb in collect_heartbeats(settings).values():
-        if hb.stage in ("prefill", "decode") and hb.metrics_port:
-            held += int(scrape_metric(hb.metrics_port, f"pd_{hb.stage}_kv_blocks_used"))
-    return staged, held
+    end, zeros = time.monotonic() + wait_s + 15, 0
+    try:
+        while True:
+            store.reap()
+            staged, held = store.staged_bytes(), held_blocks()
+            zeros = zeros + 1 if staged == 0 and held == 0 else 0
+            if zeros >= 2 or time.monotonic() >= end:
+                return staged, held
+            time.sleep(1.0)
+    finally:
+        store.close()
 
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
