@@ -149,7 +149,7 @@ async def _bus_hop(settings: Settings, n: int) -> float:
     try:
         sub = await js.pull_subscribe(f"{ns}.work", durable="w", stream=stream)
         lat = []
-        for i in range(n):
+        for _ in range(n):
             t = time.perf_counter()
             await js.publish(f"{ns}.work", b"x" * 200)
             msgs = await sub.fetch(1, timeout=5)

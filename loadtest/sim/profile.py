@@ -52,6 +52,10 @@ class Profile:
         token_cpu_s: host CPU per streamed token outside the model workers (postfilter
             detokenize, bus, gateway SSE, client).
         request_cpu_s: host CPU per request outside the model workers (gateway, tokenizer, bus).
+        step_loop_s: the worker loop's own time per step beyond ``LLMEngine.step`` (publishing
+            tokens, the thread hop, heartbeats); calibrated from an idle request's ITL.
+        pipeline_s: latency a request's first token spends in processes and hops beyond the
+            modelled ones; calibrated from an idle request's TTFT.
         corun_slowdown: step-time factor when another model worker on the same host is busy
             (shared memory bandwidth and caches), 1.0 = none.
         host_cores: cores of the host the profile was measured on.
@@ -81,6 +85,8 @@ class Profile:
     tokenize_s_per_token: float = 0.0
     token_cpu_s: float = 0.0
     request_cpu_s: float = 0.0
+    step_loop_s: float = 0.0
+    pipeline_s: float = 0.0
     corun_slowdown: float = 1.0
     host_cores: int = 0
     num_kv_blocks: int = 4096
@@ -145,6 +151,7 @@ class CostModel:
         self.ctx = profile.decode_ctx_s
         self.fixed = profile.step_fixed_s
         self.kv_bpt = profile.kv_bytes_per_token
+        self.loop = profile.step_loop_s
 
     def prefill(self, n: int) -> float:
         """Seconds of a prefill chunk of ``n`` tokens at empty context."""
@@ -160,7 +167,7 @@ class CostModel:
     def step(self, prefill_chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
         """Seconds of one step: ``prefill_chunks`` as (new tokens, computed before) pairs, beside
         ``batch`` decoding sequences holding ``context_tokens``."""
-        t = 0.0
+        t = self.loop
         for n, c in prefill_chunks:
             t += self.prefill(n) + self.attn * n * c
         if prefill_chunks:
@@ -168,7 +175,7 @@ class CostModel:
             if batch:
                 t += self.decode_step(batch, context_tokens) - self.fixed
             return t
-        return self.decode_step(batch, context_tokens)
+        return t + self.decode_step(batch, context_tokens)
 
     def kv_stage(self, num_tokens: int) -> float:
         return self.p.kv_stage_fixed_s + self.p.kv_stage_s_per_byte * num_tokens * self.kv_bpt

@@ -199,7 +199,7 @@ class Simulation:
         """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``."""
         i = seq.req.idx
         if seq.last_t < 0:
-            self.first[i] = first_end + self.out_delay + self.tok_cpu
+            self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
         else:
             self.gap_v.append(first_end - seq.last_t)
             self.gap_w.append(1)
