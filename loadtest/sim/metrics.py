@@ -31,6 +31,7 @@ class SimResult:
     remote: int
     finished: int
     preemptions: int = 0
+    cpu_s: float = 0.0
 
 
 def weighted_percentiles(values, weights, qs=(50, 90, 99)) -> dict:
@@ -92,5 +93,7 @@ def summarize(r: SimResult, slo_ttft_s: float, slo_tpot_s: float) -> dict:
         "sim_seconds": r.sim_s,
         "wall_seconds": r.wall_s,
         "sim_requests_per_wall_s": len(arrival) / max(r.wall_s, 1e-9),
+        "cpu_seconds": r.cpu_s,
+        "sim_requests_per_cpu_s": len(arrival) / max(r.cpu_s, 1e-9),
         "events": r.events,
     }

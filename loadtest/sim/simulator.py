@@ -132,7 +132,7 @@ class Simulation:
         self.last = [float("nan")] * n
         self.n_out = [0] * n
         self.arrival = [r.arrival_s for r in requests]
-        started = time.perf_counter()
+        started, cpu0 = time.perf_counter(), time.process_time()
         for r in requests:
             self._arrive(r)
         heap = self.heap
@@ -142,11 +142,12 @@ class Simulation:
             now, _, fn, arg = pop(heap)
             fn(now, arg)
         wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu0
         workers = self.prefill + self.decode
         util = {w.name: w.busy_s / now if now else 0.0 for w in workers}
         return SimResult(self.topo.label(), self.arrival, self.first, self.last, self.n_out, self.gap_v, self.gap_w,
                          util, now, wall, self.n_events, self.remote, self.done,
-                         preemptions=sum(w.sched.num_preemptions for w in workers))
+                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu)
 
     def _arrive(self, req) -> None:
         # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
