@@ -209,7 +209,7 @@ class Simulation:
             self.gap_w.append(k - 1)
         seq.last_t = end
         self.n_out[i] += k
-        self.last[i] = end + self.out_delay + self.tok_cpu
+        self.last[i] = end + self.out_delay + self.tok_cpu + self.p.pipeline_s
         host.add_cpu(end, self.tok_cpu * k)
 
     def finished(self, seq, now: float) -> None:
