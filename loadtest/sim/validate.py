@@ -62,6 +62,9 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
             res, wall = asyncio.run(run_workload(dep.url, model, specs, extra={"ignore_eos": True}, progress=False))
             out[name] = summarize(res, wall, args.slo_ttft, args.slo_tpot).to_dict()
             out[name]["probe"] = probe
+            if args.out:  # each mode as it completes: a long run interrupted keeps what it measured
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "measured.json").write_text(json.dumps(out, indent=1, default=str))
     return out
 
 
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
         say("validate: profiling this machine now ...")
         profile = measure(base, quick=True, max_prompt=max(args.long, 1024), max_batch=32, say=say)
+        if args.out:
+            profile.save(Path(args.out) / "profile.json")
     modes = [m for m in args.modes.split(",") if m]
     measured = measure_modes(base, modes, args, vocab, args.crossover, say)
     simulated = simulate_modes(profile, modes, args, vocab, args.crossover,
