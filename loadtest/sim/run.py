@@ -13,6 +13,7 @@ import json
 from loadtest.sim.plan import load_trace
 from loadtest.sim.profile import Profile
 from loadtest.sim.simulator import Topology, simulate
+from loadtest.sim.trace import repeat
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -46,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=2048)
     p.add_argument("--slo-ttft", type=float, default=5.0)
     p.add_argument("--slo-tpot", type=float, default=0.25)
+    p.add_argument("--repeat", type=int, default=1, help="play the trace this many times back to back")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv or [])
     try:
         profile = Profile.load(args.profile)
         reqs = load_trace(args.trace, args.requests, args.max_prompt, args.max_output, args.rate)
+        reqs = repeat(reqs, args.repeat)
     except (OSError, ValueError) as exc:
         print(f"pdserve simulate: {exc}")
         return 2
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(s, indent=1))
     else:
         print(table({topo.label(): s}))
-        print(f"{s['requests']} requests, {s['sim_seconds']:.0f} simulated s in {s['wall_seconds']:.1f} wall s; "
+        print(f"{s['requests']} requests, {s['sim_seconds']:.0f} simulated s in {s['wall_seconds']:.1f} wall s "
+              f"({s['cpu_seconds']:.1f} CPU s: {s['sim_requests_per_cpu_s']:.0f} requests per CPU second); "
               f"utilization {', '.join(f'{k} {v:.2f}' for k, v in s['utilization'].items())}")
     return 0

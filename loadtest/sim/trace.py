@@ -104,3 +104,17 @@ def rescale(reqs: list[SimRequest], rate_per_s: float) -> list[SimRequest]:
     k = (len(reqs) - 1) / rate_per_s / reqs[-1].arrival_s
     return [SimRequest(r.idx, r.arrival_s * k, r.prompt_tokens, r.max_tokens, r.hash_ids, r.segment_tokens)
             for r in reqs]
+
+
+def repeat(reqs: list[SimRequest], times: int) -> list[SimRequest]:
+    """The trace played ``times`` times back to back (a 100k-request replay from a 20k trace);
+    each copy's prompts are its own (no prefix shared across copies)."""
+    if times <= 1 or not reqs:
+        return reqs
+    span = reqs[-1].arrival_s + (reqs[-1].arrival_s - reqs[0].arrival_s) / max(1, len(reqs) - 1)
+    out = []
+    for k in range(times):
+        for r in reqs:
+            ids = None if r.hash_ids is None else tuple(h * times + k for h in r.hash_ids)
+            out.append(SimRequest(len(out), r.arrival_s + k * span, r.prompt_tokens, r.max_tokens, ids, r.segment_tokens))
+    return out

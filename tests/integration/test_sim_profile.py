@@ -5,7 +5,9 @@ the modes benchmark's disaggregated deployment and its simulated twin, in one ru
 The agreement check is a model check, not a timed assert: both sides run on the same machine at
 the same time, and the tolerance is generous (a factor of 2.5) because the tiny model's steps
 take about a millisecond, so the pipeline's noise (other jobs on the two cores) is most of what
-is measured. The full table (SmolLM2, four modes) is in the closing note of issue 16.
+is measured. Tails get a wider band (4×): with 16 requests the p90 is the second-slowest
+request, and a stall of the shared machine lands there in full. The full table (SmolLM2, four
+modes) is in the closing note of issue 16.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from loadtest.sim import validate
 from loadtest.sim.measure import main as profile_main
 from loadtest.sim.profile import Profile
 
-TOLERANCE = 2.5
+TOLERANCE = {"p50": 2.5, "p90": 4.0}
 
 
 def test_profile_command_writes_a_sane_profile(tiny_model_dir, tmp_path, monkeypatch, nats_url):
