@@ -153,3 +153,21 @@ def test_host_contention_slows_steps():
 def test_unknown_mode():
     with pytest.raises(ValueError):
         simulate(_workload(2), replace(Topology(), mode="ring"), _profile())
+
+
+def test_plan_and_simulate_commands(tmp_path, capsys):
+    from pathlib import Path
+
+    from loadtest.sim import plan as plan_cmd
+    from loadtest.sim import run as run_cmd
+    from services.cli import external_commands
+
+    assert {"profile", "plan", "simulate"} <= set(external_commands())
+    prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")
+    args = ["--profile", prof, "--trace", "poisson:128:0.8,1024:0.2", "--requests", "300", "--rate", "30"]
+    assert plan_cmd.main(args + ["--slo-ttft", "1", "--slo-itl", "0.05", "--emit", "k8s", "--out", str(tmp_path)]) == 0
+    assert "plan:" in capsys.readouterr().out and (tmp_path / "kustomization.yaml").exists()
+    assert run_cmd.main(args + ["--mode", "disaggregated", "--prefill", "1", "--decode", "2"]) == 0
+    assert "disaggregated 1P:2D" in capsys.readouterr().out
+    assert run_cmd.main(["--profile", prof, "--trace", "nope"]) == 2
+    assert "unknown trace" in capsys.readouterr().out
