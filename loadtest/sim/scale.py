@@ -95,9 +95,33 @@ def table(results: dict) -> str:
     return "\n".join(out)
 
 
+def write_md(results: dict, path: Path, args) -> None:
+    """``docs/scale.md``: how it was made, the table, the plot, and the reading of it."""
+    lines = ["# The disaggregation payoff at cluster scale (simulated)", "",
+             "Written by `python -m loadtest.sim.scale " + " ".join(f"--profile {p}" for p in args.profile) +
+             f" --workers {args.workers} --requests {args.requests} --load {args.load}` "
+             "(`loadtest/sim/scale.py`); raw numbers in `scale.json`, plot `scale.png`.", "",
+             f"* Trace: the first {args.requests} requests of the Azure LLM inference trace 2023, conversation "
+             f"(Splitwise, Patel et al., ISCA 2024), prompts capped at {args.max_prompt} and outputs at "
+             f"{args.max_output} tokens, arrivals rescaled so the offered work is {args.load:.0%} of the "
+             "deployment's capacity (the same load per worker at every size; the rate is in the table).",
+             "* Modes at equal worker count: aggregated (whole prompts), aggregated with chunked prefill "
+             "(512-token chunks), disaggregated and conditional (the tokenizer's router, local limit 256 "
+             "tokens), each split P:D the best of the prefill counts next to the trace's prefill share "
+             "of compute. `max_num_seqs` " + str(args.max_num_seqs) + ", step budget 2048 tokens.",
+             "* Profiles: " + ", ".join(f"`{n}`" for n in results) + " — see `docs/profiles/`; "
+             "`a100-llama2-7b` is built from published figures (`loadtest/sim/cited.py` cites each), "
+             "NOT measured here; the other is `pdserve profile` on the 2-vCPU development machine "
+             "(two workers per 2-core host, the services sharing the cores).",
+             "* SLOs for goodput: TTFT ≤ max(2 s, 20 × prefill of 1024 tokens), TPOT ≤ 5 × a batch-1 decode step.",
+             "", table(results), "", "![p90 ITL against workers](scale.png)", ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.sim.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", action="append", required=True)
+    p.add_argument("--from-json", action="append", default=[], help="merge these scale.json results, simulate nothing")
     p.add_argument("--workers", default="8,32,128")
     p.add_argument("--requests", type=int, default=8000)
     p.add_argument("--load", type=float, default=0.6)
@@ -108,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     trace = azure("azure2023_conv.csv", args.requests, Scaling(1.0, args.max_prompt, args.max_output))
     results: dict = {}
-    for path in args.profile:
+    for path in args.from_json:
+        results.update(json.loads(Path(path).read_text()))
+    for path in args.profile if not args.from_json else []:
         prof = Profile.load(path)
         cost = CostModel(prof)
         w = work_per_request(trace, cost)
@@ -127,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(results, indent=1, default=str))
     plot(results, out / "scale.png")
+    write_md(results, out / "scale.md", args)
     print(table(results))
     return 0
 
