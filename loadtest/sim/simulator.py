@@ -159,8 +159,6 @@ class Simulation:
         self.push(done, self._route, req)
 
     def _route(self, now: float, req) -> None:
-        host = (self.decode or self.prefill)[0].host
-        host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
         remote = self.topo.mode == "disaggregated"
         if self.topo.mode == "conditional":
             pre = [Heartbeat("prefill", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
@@ -176,6 +174,8 @@ class Simulation:
             w = min(self.prefill, key=lambda w: w.queued_prefill_tokens + len(w.inbox))
         else:
             w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+        # the gateway's and tokenizer's CPU for this request, on the host it is served from
+        w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
         self.push(now + self.hop, self._deliver, (w, "new", seq))
 
     def _deliver(self, now: float, arg) -> None:
