@@ -54,7 +54,7 @@ def load_trace(name: str, n: int, max_prompt: int, max_output: int, rate: float 
 
 def prefill_share(reqs, cost: CostModel, batch: int = 32) -> float:
     """Fraction of the trace's compute that is prefill (decode counted at batch ``batch``)."""
-    pre = sum(cost.prefill(min(r.prompt_tokens, cost.max_tokens)) for r in reqs)
+    pre = sum(cost.prefill_whole(r.prompt_tokens) for r in reqs)
     dec = sum(r.max_tokens * cost.decode_step(batch, batch * 600) / batch for r in reqs)
     return pre / max(pre + dec, 1e-12)
 
@@ -63,7 +63,7 @@ def lower_bound(reqs, cost: CostModel, batch: int = 32) -> int:
     if len(reqs) < 2:
         return 1
     span = max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
-    pre = sum(cost.prefill(min(r.prompt_tokens, cost.max_tokens)) for r in reqs)
+    pre = sum(cost.prefill_whole(r.prompt_tokens) for r in reqs)
     dec = sum(r.max_tokens * cost.decode_step(batch, batch * 600) / batch for r in reqs)
     return max(1, math.floor((pre + dec) / span))
 

@@ -159,6 +159,10 @@ class CostModel:
             return self._prefill[n]
         return self._prefill[self.max_tokens] * n / self.max_tokens
 
+    def prefill_whole(self, n: int) -> float:
+        """Seconds to prefill an ``n``-token prompt in one step, attention over itself included."""
+        return self.prefill(n) + self.attn * n * n / 2
+
     def decode_step(self, batch: int, context_tokens: int) -> float:
         """Seconds of a decode step of ``batch`` sequences holding ``context_tokens`` in all."""
         base = self._decode[batch] if batch <= self.max_batch else self._decode[self.max_batch] * batch / self.max_batch

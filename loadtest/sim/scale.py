@@ -29,7 +29,7 @@ from loadtest.workloads import Scaling
 
 
 def work_per_request(reqs: list[SimRequest], cost: CostModel, batch: int = 32) -> float:
-    pre = sum(cost.prefill(min(r.prompt_tokens, cost.max_tokens)) for r in reqs)
+    pre = sum(cost.prefill_whole(r.prompt_tokens) for r in reqs)
     dec = sum(r.max_tokens * cost.decode_step(batch, batch * 600) / batch for r in reqs)
     return (pre + dec) / len(reqs)
 
