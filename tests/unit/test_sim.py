@@ -164,7 +164,7 @@ def test_plan_and_simulate_commands(tmp_path, capsys):
 
     assert {"profile", "plan", "simulate"} <= set(external_commands())
     prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")
-    args = ["--profile", prof, "--trace", "poisson:128:0.8,1024:0.2", "--requests", "300", "--rate", "30"]
+    args = ["--profile", prof, "--trace", "poisson:128:0.8,1024:0.2", "--requests", "120", "--rate", "30"]
     assert plan_cmd.main(args + ["--slo-ttft", "1", "--slo-itl", "0.05", "--emit", "k8s", "--out", str(tmp_path)]) == 0
     assert "plan:" in capsys.readouterr().out and (tmp_path / "kustomization.yaml").exists()
     assert run_cmd.main(args + ["--mode", "disaggregated", "--prefill", "1", "--decode", "2"]) == 0
