@@ -7,6 +7,7 @@
     pdserve settings
     pdserve bench {pipeline,bus,engine,modes,load,gpu} (from loadtest/, see COMMANDS_GROUP)
     pdserve chaos                                    (from loadtest/)
+    pdserve profile | plan | simulate                (from loadtest/sim/)
 """
 
 from __future__ import annotations
@@ -193,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     se.set_defaults(fn=cmd_settings)
 
     helps = {"chaos": "fault-injection suite (killed workers, restarts, disconnects)",
-             "bench": "benchmarks that print their figures: pdserve bench NAME --help"}
+             "bench": "benchmarks that print their figures: pdserve bench NAME --help",
+             "profile": "measure the simulator's cost profile on this machine and model",
+             "plan": "fewest prefill/decode workers that meet TTFT/ITL SLOs (simulated); --emit k8s",
+             "simulate": "replay a trace through a topology in the discrete-event simulator"}
     for name in sorted(external_commands()):
         ext = sub.add_parser(name, help=helps.get(name, f"{name} (from {COMMANDS_GROUP})"), add_help=False)
         ext.add_argument("rest", nargs=argparse.REMAINDER)
