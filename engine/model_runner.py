@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from engine import fused_decode
 from engine.kv_cache import PagedKVCache
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSeq
@@ -149,6 +150,7 @@ class ModelRunner:
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
+        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)  # None: steps run unfused
 
     def enable_cuda_graphs(self, batch_sizes: Seq[int], max_blocks_per_seq: int, capture=None) -> None:
         """Capture decode steps as CUDA graphs, one per batch size (see ``engine.cuda_graphs``).
@@ -236,6 +238,8 @@ class ModelRunner:
         if self.graphs is not None and not meta.prefills and sampled:
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
             logits = logits[keep] if logits is not None else None
+        if logits is None and sampled and fused_decode.applies(self.fused, meta, ids.shape[0]):
+            logits = self.fused.logits(ids, pos, meta, keep)
         if logits is None:
             out = self.model(
                 input_ids=ids.unsqueeze(0),
