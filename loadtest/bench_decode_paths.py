@@ -42,16 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         fused_decode.build = build if fused else (lambda *a, **k: None)
         try:
             probe = build_engine(settings.replace(kv_cache_memory_bytes=64 << 20))
-            weight_bytes = weight_bytes_read(probe.model)
+            weight_bytes = weight_bytes_read(probe.model) + args.context * probe.bytes_per_token  # + one sequence's KV
             dtype = probe.dtype
             del probe
             results[label] = (weight_bytes, decode_rates(settings, batches, args.context, args.steps))
         finally:
             fused_decode.build = build
         wb, rates = results[label]
-        roof_ms = wb / (bw * 1e9) * 1e3  # weights only: KV at this context adds ~1 %
+        roof_ms = wb / (bw * 1e9) * 1e3
         cells = "  ".join(f"b{b}: {s * 1e3:6.1f} ms ({b / s:6.1f} tok/s)" for b, s in rates.items())
-        print(f"{label:<20} {str(dtype).removeprefix('torch.'):>9} weights {wb / 1e6:5.0f} MB "
+        print(f"{label:<20} {str(dtype).removeprefix('torch.'):>9} weights+KV {wb / 1e6:5.0f} MB "
               f"(roofline {roof_ms:4.1f} ms)  {cells}")
     fused_rates = results.get("blocks, fused step", (0, {}))[1]
     for label in [k for k in ("float", "blocks, op by op") if k in results and fused_rates]:
