@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace pdq {
@@ -132,5 +134,61 @@ inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* code
     }
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PDQ_VNNI 1
+// 4-bit blocks against int8 activations, llama.cpp's q4_1 x q8_1 scheme (ggml-cpu's
+// ggml_vec_dot_q4_1_q8_1): each row of x is quantized per 32 inputs to int8 (dx = max|x| / 127,
+// round to nearest), so a group's dot product is one VNNI instruction on the unsigned codes:
+//   sum_j (q_j d + m) x_j  ~  d dx sum_j q_j xq_j  +  m (dx sum_j xq_j).
+// Not exact: the activation rounding changes results (the quality gate measures it).
+// xq [M, K] int8, xs [M, K/32] = dx, xsum [M, K/32] = dx * sum xq; out[r * ldo].
+// sum_g m[g] xsum[g], the same instruction sequence for every row (not inlined into the
+// R-row loop, where the compiler could vectorize across rows and round differently).
+__attribute__((noinline)) inline float min_term(const float* m, const float* xsum, int64_t ng) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xsum + g), acc);
+  float s = hsum(acc);
+  for (; g < ng; ++g) s = std::fma(m[g], xsum[g], s);
+  return s;
+}
+
+template <int R>
+inline void dot_rows_vnni(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* codes,
+                          const float* d, const float* m, int64_t K, int64_t ldo, float* out) {
+  const int64_t ng = K / G;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * G));
+      const __m256i isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[g] * xs[r * ng + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + min_term(m, xsum + r * ng, ng);
+}
+
+// Per-32 int8 quantization of one row of x [K]: xq, dx and dx * sum(xq) per group.
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* xs, float* xsum) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    float amax = 0.f;
+    for (int j = 0; j < G; ++j) amax = std::max(amax, std::fabs(x[g * G + j]));
+    const float dx = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < G; ++j) {
+      const int q = static_cast<int>(std::nearbyint(x[g * G + j] * id));
+      xq[g * G + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xs[g] = dx;
+    xsum[g] = dx * static_cast<float>(sum);
+  }
+}
+#endif
 
 }  // namespace pdq

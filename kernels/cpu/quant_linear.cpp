@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <vector>
 
 #include "quant_block.h"
 
@@ -67,6 +68,41 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   return out;
 }
 
+#ifdef PDQ_VNNI
+// x W^T with x quantized per 32 inputs to int8 and VNNI dot products (4-bit blocks only; see
+// pdq::dot_rows_vnni). Measured against q4_linear in docs/decisions.md; not used by default.
+torch::Tensor q4_linear_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), ng = K / G;
+  TORCH_CHECK(K % G == 0 && codes.size(1) == K / 2 && d.size(1) == ng && m.sizes() == d.sizes(), "bad shapes");
+  auto xc = x.contiguous();
+  auto cc = codes.contiguous();
+  auto dc = d.contiguous();
+  auto mc = m.contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * ng), xsum(M * ng);
+  for (int64_t r = 0; r < M; ++r)
+    pdq::quantize_row_q8(xc.data_ptr<float>() + r * K, K, xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng);
+  auto out = torch::empty({M, N}, x.options());
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4)
+        pdq::dot_rows_vnni<4>(xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng, cp + n * K / 2,
+                              dp + n * ng, mp + n * ng, K, N, op + r * N + n);
+      for (; r < M; ++r)
+        pdq::dot_rows_vnni<1>(xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng, cp + n * K / 2,
+                              dp + n * ng, mp + n * ng, K, N, op + r * N + n);
+    }
+  });
+  return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -75,4 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_dequantize", &block_dequantize<true>, "float32 [N, K] from 4-bit GGUF blocks");
   mod.def("q8_dequantize", &block_dequantize<false>, "float32 [N, K] from Q8_0 blocks");
   mod.attr("isa") = pdq::kIsa;
+#ifdef PDQ_VNNI
+  mod.def("q4_linear_vnni", &q4_linear_vnni, "x W^T, 4-bit blocks, x quantized per 32 to int8 (VNNI)");
+#endif
 }
