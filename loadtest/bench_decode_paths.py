@@ -13,7 +13,13 @@ import os
 
 import torch
 
-from loadtest.bench_engine import decode_rates, measure_bandwidth_gbs, weight_bytes_read
+from loadtest.bench_engine import (
+    decode_rates,
+    measure_bandwidth_gbs,
+    measure_matmul_gflops,
+    parameter_count,
+    weight_bytes_read,
+)
 from shared.config import Settings
 
 
@@ -31,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     base = Settings.from_env(torch_threads=args.threads)
     bw = measure_bandwidth_gbs(args.threads)
-    print(f"memory read bandwidth {bw:.1f} GB/s, {args.threads} threads, context {args.context}, "
+    bf16 = measure_matmul_gflops(args.threads, torch.bfloat16)
+    print(f"memory read bandwidth {bw:.1f} GB/s, bf16 matmul {bf16:.0f} GFLOP/s, {args.threads} threads, context {args.context}, "
           f"{torch.__config__.parallel_info().splitlines()[0]}")
     build = fused_decode.build
     results = {}
@@ -44,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             probe = build_engine(settings.replace(kv_cache_memory_bytes=64 << 20))
             weight_bytes = weight_bytes_read(probe.model) + args.context * probe.bytes_per_token  # + one sequence's KV
             dtype = probe.dtype
+            flops_per_token = 2 * parameter_count(probe.model)
             del probe
             results[label] = (weight_bytes, decode_rates(settings, batches, args.context, args.steps))
         finally:
@@ -53,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = "  ".join(f"b{b}: {s * 1e3:6.1f} ms ({b / s:6.1f} tok/s)" for b, s in rates.items())
         print(f"{label:<20} {str(dtype).removeprefix('torch.'):>9} weights+KV {wb / 1e6:5.0f} MB "
               f"(roofline {roof_ms:4.1f} ms)  {cells}")
+        top = max(rates)
+        print(f"{'':<20} batch {top}: {top / rates[top] * flops_per_token / 1e9 / bf16 * 100:.1f}% of the bf16 "
+              f"matmul rate ({bf16:.0f} GFLOP/s, the compute roofline)")
     fused_rates = results.get("blocks, fused step", (0, {}))[1]
     for label in [k for k in ("float", "blocks, op by op") if k in results and fused_rates]:
         ratios = "  ".join(f"b{b}: {results[label][1][b] / fused_rates[b]:.2f}x" for b in batches)
