@@ -147,10 +147,10 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
         self.attention = kernels.select(self.device.type, attention_backend, kv_dtype)
+        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)  # None: steps run unfused
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
-        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)  # None: steps run unfused
 
     def enable_cuda_graphs(self, batch_sizes: Seq[int], max_blocks_per_seq: int, capture=None) -> None:
         """Capture decode steps as CUDA graphs, one per batch size (see ``engine.cuda_graphs``).
