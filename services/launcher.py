@@ -58,8 +58,8 @@ class Deployment:
 def torch_threads(settings: Settings, replicas: dict[str, int], stage: str = "") -> int:
     """Torch threads per model worker: prefill workers share the cores out among all model
     workers; a decode worker takes the cores shared out among decode workers only (at one
-    stream an idle prefill worker's core would otherwise sit unused; with OMP_WAIT_POLICY=PASSIVE
-    the oversubscription while a prompt prefills costs little: docs/decisions.md)."""
+    stream an idle prefill worker's core would otherwise sit unused; measured trade-off against
+    a busy prefill worker in docs/decisions.md)."""
     if settings.torch_threads > 0:
         return settings.torch_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -101,8 +101,6 @@ def spawn(dep: Deployment, name: str) -> Proc:
         threads = min(threads, dep.affinity[name].count(",") + 1)  # pinned: no more threads than its CPUs
         env["PD_TORCH_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    # idle OpenMP threads sleep instead of spinning: a spinning prefill worker starves decode
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars inside JSON logs
     env.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach a hub
