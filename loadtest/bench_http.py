@@ -4,7 +4,8 @@ the launcher's thread share) against llama.cpp's server on the same GGUF (``PD_L
 
 ``PD_LLAMA_SERVER=/path/llama-server python -m loadtest.bench_http [--concurrency 1,8,32]``
 
-Prints per server and concurrency: ITL p50, TTFT p50 (ms) and output tokens/s.
+Prints per server and concurrency: ITL p50, TTFT p50 (ms) and output tokens/s. TTFT is the
+client's first SSE chunk, which for both servers can be the role chunk sent before any token.
 """
 
 from __future__ import annotations
