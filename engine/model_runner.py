@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from engine import fused_decode
 from engine.kv_cache import PagedKVCache
 from engine.prompt_logprobs import PromptLogprobRows
 from engine.sampler import SamplingRow, sample
@@ -147,6 +148,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
         self.attention = kernels.select(self.device.type, attention_backend, kv_dtype)
+        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)  # None: steps run unfused
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
@@ -241,6 +243,8 @@ class ModelRunner:
         if self.graphs is not None and not meta.prefills and sampled:
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
             logits = logits[keep] if logits is not None else None
+        if logits is None and sampled and fused_decode.applies(self.fused, meta, ids.shape[0]):
+            logits = self.fused.logits(ids, pos, meta, keep)
         if logits is None:
             out = self.model(
                 input_ids=ids.unsqueeze(0),

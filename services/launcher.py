@@ -57,12 +57,17 @@ class Deployment:
             print(f"pdserve: {text}", file=sys.stderr, flush=True)
 
 
-def torch_threads(settings: Settings, replicas: dict[str, int]) -> int:
-    """Torch threads per model worker: the cores shared out among prefill and decode replicas."""
+def torch_threads(settings: Settings, replicas: dict[str, int], stage: str = "") -> int:
+    """Torch threads per model worker: prefill workers share the cores out among all model
+    workers; a decode worker takes the cores shared out among decode workers only (at one
+    stream an idle prefill worker's core would otherwise sit unused; measured trade-off against
+    a busy prefill worker in docs/decisions.md)."""
     if settings.torch_threads > 0:
         return settings.torch_threads
-    workers = sum(replicas.get(s, 0) for s in MODEL_STAGES)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if stage == "decode":
+        return max(1, cores // max(1, replicas.get("decode", 0)))
+    workers = sum(replicas.get(s, 0) for s in MODEL_STAGES)
     return max(1, cores // max(1, workers))
 
 
@@ -87,7 +92,7 @@ def all_stages(settings: Settings) -> list[str]:
 def spawn(dep: Deployment, name: str) -> Proc:
     """Start one service process (``name`` is ``<stage>-<i>``), logging to ``logs/<name>.log``."""
     stage = name.rsplit("-", 1)[0]
-    threads = torch_threads(dep.settings, dep.replicas)
+    threads = torch_threads(dep.settings, dep.replicas, stage)
     env = dict(os.environ)
     env.update(dep.settings.to_env())
     env["PD_INSTANCE_ID"] = f"{name}-{os.urandom(3).hex()}"
@@ -95,6 +100,8 @@ def spawn(dep: Deployment, name: str) -> Proc:
     env["PD_TORCH_THREADS"] = str(threads)
     if name in dep.affinity:
         env["PD_CPU_AFFINITY"] = dep.affinity[name]
+        threads = min(threads, dep.affinity[name].count(",") + 1)  # pinned: no more threads than its CPUs
+        env["PD_TORCH_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars inside JSON logs

@@ -13,7 +13,7 @@ import functools
 
 from kernels.cpu import _cpu_flags, build_extension
 
-__all__ = ["load", "available"]
+__all__ = ["load", "load_fused", "available"]
 
 
 @functools.cache
@@ -26,6 +26,19 @@ def load():
     if not available():
         raise RuntimeError("the quantized linear kernel needs a CPU with AVX2 and FMA")
     return build_extension("quant_linear.cpp", "pdserve_cpu_quant_linear", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"])
+
+
+@functools.cache
+def load_fused():
+    """The fused decode-layer extension (``fused_decode.cpp``: ``Blocks``, ``DecodeLayer``,
+    ``rms_norm``), same build and flags as :func:`load`.
+
+    Raises:
+        RuntimeError: no C++ compiler, the build failed, or the CPU lacks AVX2/FMA.
+    """
+    if not available():
+        raise RuntimeError("the fused decode kernel needs a CPU with AVX2 and FMA")
+    return build_extension("fused_decode.cpp", "pdserve_cpu_fused_decode", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"])
 
 
 def available() -> bool:

@@ -7,67 +7,19 @@
 //
 // Why our own kernel: torch 2.13's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm have
 // vectorized paths for AVX-512 only; on an AVX2-only CPU they ran 15-50x slower than an fp32
-// GEMV (measured, docs/decisions.md). This one widens a group's codes to float32 once in
-// registers and multiplies it with up to four rows of x, streaming each weight byte once.
+// GEMV (measured, docs/decisions.md). The inner loops (AVX-512 or AVX2, chosen at build) are in
+// quant_block.h, shared with the fused decode step; each row of x is computed independently.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cstdint>
+#include <vector>
+
+#include "quant_block.h"
 
 namespace {
 
-constexpr int64_t G = 32;
-
-// The 32 weights of one group as four vectors of 8 floats.
-template <bool Q4>
-inline void load_group(const uint8_t* codes, float d, float m, __m256 w[4]) {
-  const __m256 vd = _mm256_set1_ps(d);
-  if constexpr (Q4) {
-    const __m256 vm = _mm256_set1_ps(m);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm);
-  } else {
-    for (int c = 0; c < 4; ++c) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * c));
-      w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), vd);
-    }
-  }
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// R rows of x (row stride K) against output row n: out[r * N] for r < R.
-template <bool Q4, int R>
-inline void dot_rows(const float* x, const uint8_t* codes, const float* d, const float* m, int64_t K,
-                     int64_t N, float* out) {
-  constexpr int64_t bytes = Q4 ? G / 2 : G;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  __m256 w[4];
-  for (int64_t g = 0; g < K / G; ++g) {
-    load_group<Q4>(codes + g * bytes, d[g], Q4 ? m[g] : 0.f, w);
-    const float* xg = x + g * G;
-    for (int r = 0; r < R; ++r) {
-      const float* xr = xg + r * K;
-      acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * N] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
+using pdq::G;
+using pdq::load_group;
 
 template <bool Q4>
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
@@ -86,21 +38,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* c = cp + n * row_bytes;
-      const float* dn = dp + n * ng;
-      const float* mn = mp + n * ng;
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) dot_rows<Q4, 4>(xp + r * K, c, dn, mn, K, N, op + r * N + n);
-      switch (M - r) {
-        case 3: dot_rows<Q4, 3>(xp + r * K, c, dn, mn, K, N, op + r * N + n); break;
-        case 2: dot_rows<Q4, 2>(xp + r * K, c, dn, mn, K, N, op + r * N + n); break;
-        case 1: dot_rows<Q4, 1>(xp + r * K, c, dn, mn, K, N, op + r * N + n); break;
-        default: break;
-      }
-    }
+    pdq::block_rows<Q4>(xp, M, K, cp, dp, mp, n0, n1, op, N);
   });
   return out;
 }
@@ -129,6 +68,41 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   return out;
 }
 
+#ifdef PDQ_VNNI
+// x W^T with x quantized per 32 inputs to int8 and VNNI dot products (4-bit blocks only; see
+// pdq::dot_rows_vnni). Measured against q4_linear in docs/decisions.md; not used by default.
+torch::Tensor q4_linear_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), ng = K / G;
+  TORCH_CHECK(K % G == 0 && codes.size(1) == K / 2 && d.size(1) == ng && m.sizes() == d.sizes(), "bad shapes");
+  auto xc = x.contiguous();
+  auto cc = codes.contiguous();
+  auto dc = d.contiguous();
+  auto mc = m.contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * ng), xsum(M * ng);
+  for (int64_t r = 0; r < M; ++r)
+    pdq::quantize_row_q8(xc.data_ptr<float>() + r * K, K, xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng);
+  auto out = torch::empty({M, N}, x.options());
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4)
+        pdq::dot_rows_vnni<4>(xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng, cp + n * K / 2,
+                              dp + n * ng, mp + n * ng, K, N, op + r * N + n);
+      for (; r < M; ++r)
+        pdq::dot_rows_vnni<1>(xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng, cp + n * K / 2,
+                              dp + n * ng, mp + n * ng, K, N, op + r * N + n);
+    }
+  });
+  return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -136,4 +110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_linear", &block_linear<false>, "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]");
   mod.def("q4_dequantize", &block_dequantize<true>, "float32 [N, K] from 4-bit GGUF blocks");
   mod.def("q8_dequantize", &block_dequantize<false>, "float32 [N, K] from Q8_0 blocks");
+  mod.attr("isa") = pdq::kIsa;
+#ifdef PDQ_VNNI
+  mod.def("q4_linear_vnni", &q4_linear_vnni, "x W^T, 4-bit blocks, x quantized per 32 to int8 (VNNI)");
+#endif
 }

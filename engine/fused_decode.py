@@ -1,0 +1,163 @@
+"""A fused decode step for Llama models whose projections are GGUF blocks (``PD_WEIGHTS``).
+
+For a decode-only step of at most :data:`MAX_ROWS` tokens, each decoder layer runs as two C++
+calls (``kernels/cpu/fused_decode.cpp``) around the existing paged attention kernel:
+
+* ``attn_in``: RMSNorm, one matmul over the stacked Q/K/V blocks, RoPE, KV cache write;
+* ``attn_out``: o_proj + residual, RMSNorm, stacked gate/up matmul, SiLU * up, down + residual.
+
+instead of transformers' layers op by op (about a dozen tensor ops and module calls per
+layer, each a dispatch from Python). The embedding lookup, the rotary cos/sin (the model's own
+``rotary_emb``, so its RoPE scaling applies), the final norm and the LM head stay as they are.
+
+The stacked Q/K/V and gate/up blocks are built once; the original layers' buffers become views
+of them, so the weights are held once (prefill still runs the unfused layers).
+
+Rows are independent: a token's hidden state, logits and KV entries are bit-identical whether
+it is alone in the step or in a batch (see the kernel's header comment and
+``tests/unit/test_fused_decode.py``). Against the unfused quantized path the matmuls are the
+same kernel; the RMSNorm, RoPE and SiLU differ in float32 rounding only.
+
+Eligible: ``model_type`` llama (or mistral without a sliding window), SiLU MLP, no
+projection biases, every projection a :class:`~engine.quant.BlockLinear` with Q/K/V of one
+bit width and gate/up of one bit width, a CPU, a float32 or bfloat16 KV cache, and the
+extension built. Anything else returns ``None`` from :func:`build` and the step runs unfused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quant import BlockLinear
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+#: Token rows up to which a decode step runs fused (the block kernel's range, engine.quant).
+MAX_ROWS = 64
+
+
+def _stack(ext, layers: list[BlockLinear]):
+    """One ``Blocks`` over ``layers`` stacked along the output rows; each layer's buffers become
+    views of the stacked tensors (so the weights are held once)."""
+    codes = torch.cat([m.codes for m in layers])
+    scale = torch.cat([m.scale for m in layers])
+    minimum = torch.cat([m.minimum for m in layers]) if layers[0].bits == 4 else torch.empty(0)
+    start = 0
+    for m in layers:
+        end = start + m.out_features
+        m.codes, m.scale = codes[start:end], scale[start:end]
+        if m.bits == 4:
+            m.minimum = minimum[start:end]
+        start = end
+    return ext.Blocks(codes, scale, minimum, layers[0].bits)
+
+
+def _eligible(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run fused, or ``None``."""
+    config = model.config
+    if config.model_type not in ("llama", "mistral") or getattr(config, "sliding_window", None):
+        return f"model_type {config.model_type}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(isinstance(p, BlockLinear) and p.bias is None for p in projections):
+            return "a projection is not held as blocks (PD_WEIGHTS=float?) or has a bias"
+        if len({p.bits for p in projections[:3]}) > 1 or mlp.gate_proj.bits != mlp.up_proj.bits:
+            return "Q/K/V or gate/up mix bit widths"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not isinstance(getattr(norm, "variance_epsilon", None), float):
+                return f"norm {type(norm).__name__}"
+    return None
+
+
+class FusedDecode:
+    """The fused decode step of one model (see the module docstring).
+
+    Args:
+        model: a transformers Llama causal LM whose projections are BlockLinear.
+        ext: the built extension (:func:`kernels.cpu.quant.load_fused`).
+    """
+
+    def __init__(self, model: torch.nn.Module, ext):
+        config = model.config
+        self.model = model
+        self.ext = ext
+        self.layers = []
+        self.scales = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj])
+            o = _stack(ext, [attn.o_proj])
+            down = _stack(ext, [mlp.down_proj])
+            self.layers.append(ext.DecodeLayer(
+                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                layer.input_layernorm.variance_epsilon, qkv, o, gate_up, down,
+                config.num_attention_heads, config.num_key_value_heads, attn.head_dim))
+            self.scales.append(float(attn.scaling))
+        self.norm_weight = model.model.norm.weight.detach().float()
+        self.norm_eps = model.model.norm.variance_epsilon
+
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, meta) -> torch.Tensor:
+        """The final hidden states (after the last norm) of a decode-only step: ids, pos
+        ``[M]`` int64; ``meta`` an :class:`engine.model_runner.AttentionMetadata` with every
+        token a decode query. Returns float32 ``[M, hidden]``; writes the KV cache."""
+        inner = self.model.model
+        x = inner.embed_tokens(ids).float().contiguous()
+        cos, sin = inner.rotary_emb(x.unsqueeze(0), pos.unsqueeze(0))
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        attention, cache = meta.attention, meta.kv_cache
+        tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = cache.layer(i)
+            q = layer.attn_in(x, cos, sin, k_cache, v_cache, slots)
+            out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.scales[i])
+            layer.attn_out(x, out)
+        return self.ext.rms_norm(x, self.norm_weight, self.norm_eps)
+
+    def logits(self, ids: torch.Tensor, pos: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[len(keep), vocab]`` of the rows ``keep`` of a decode-only step."""
+        h = self.hidden(ids, pos, meta)[keep]
+        head = self.model.lm_head
+        if not isinstance(head, BlockLinear):
+            h = h.to(head.weight.dtype)
+        return head(h).float()
+
+
+def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device) -> FusedDecode | None:
+    """The fused decode step for ``model``, or ``None`` when it is not eligible (the reason is
+    logged) or the extension cannot be built (the step then runs unfused, correct but slower)."""
+    if device.type != "cpu" or kv_dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not any(isinstance(m, BlockLinear) for m in model.modules()):
+        return None
+    reason = _eligible(model)
+    if reason is not None:
+        log.info("fused_decode_off", reason=reason)
+        return None
+    try:
+        from kernels.cpu import quant
+
+        ext = quant.load_fused()
+    except Exception as exc:  # a failed build must not stop serving
+        log.warning("fused_decode_unavailable", error=str(exc))
+        return None
+    fused = FusedDecode(model, ext)
+    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa)
+    return fused
+
+
+def applies(fused: FusedDecode | None, meta, num_tokens: int) -> bool:
+    """True when ``fused`` can run this step: decode queries only, at most MAX_ROWS of them."""
+    return (fused is not None and not meta.prefills and meta.num_decode_tokens == num_tokens
+            and 0 < num_tokens <= MAX_ROWS)
+
+
+def kernel_available() -> bool:
+    """True on a CPU the fused kernel's instructions run on (AVX2 + FMA; AVX-512 when present)."""
+    from kernels.cpu import quant
+
+    return quant.available()

@@ -1,0 +1,212 @@
+// A Llama decoder layer's decode step in two calls, over GGUF blocks as stored (quant_block.h):
+//
+//   attn_in : h = RMSNorm(x); [q k v] = h [Wq Wk Wv]^T (one fused matmul over the three
+//             projections' blocks); RoPE on q and k (transformers' rotate_half convention, with
+//             the cos/sin the model's rotary embedding gives); k, v written to their KV cache
+//             slots (bf16 rounded to nearest even, as torch's .to(bfloat16)); returns q.
+//   attn_out: x += attn Wo^T; h = RMSNorm(x); x += (SiLU(h Wg^T) * h Wu^T) Wd^T, in place.
+//
+// Paged attention between the two is the existing kernel (kernels/cpu/paged_attention.cpp),
+// called from Python. All math is float32.
+//
+// Row independence: every row (token) of a step is computed on its own: RMSNorm, RoPE, SiLU
+// and the KV write per row, and the matmuls through pdq::block_rows, whose reduction order for
+// a row does not depend on how many rows the call has. A token's output is therefore
+// bit-identical alone or inside a batch (tests/unit/test_fused_decode.py checks it).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_block.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// One projection (or several stacked along the output rows) in 32-element blocks.
+struct Blocks {
+  torch::Tensor codes, d, m;
+  bool q4;
+  int64_t N, K;
+
+  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits)
+      : codes(codes_.contiguous()), d(d_.contiguous()), m(m_.contiguous()), q4(bits == 4),
+        N(codes_.size(0)), K(d_.size(1) * pdq::G) {
+    TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+    TORCH_CHECK(codes.size(1) == (q4 ? K / 2 : K), "codes must be [N, K/2] (4-bit) or [N, K] (8-bit)");
+    TORCH_CHECK(d.scalar_type() == torch::kFloat && d.size(0) == N, "d must be float32 [N, K/32]");
+    TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.sizes() == d.sizes()), "m must be float32 [N, K/32]");
+  }
+
+  // y[M, N] (row stride ldy) = x[M, K] W^T, weight rows split across threads.
+  void matmul(const float* x, int64_t M, float* y, int64_t ldy) const {
+    const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+    const float* dp = d.data_ptr<float>();
+    const float* mp = q4 ? m.data_ptr<float>() : dp;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (q4) pdq::block_rows<true>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
+      else pdq::block_rows<false>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
+    });
+  }
+};
+
+// RMSNorm (Zhang & Sennrich, 2019) of one row, transformers' Llama formula:
+// y = w * (x / sqrt(mean(x^2) + eps)).
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+// exp(x) written to vectorize: 2^(x log2 e) = 2^n 2^f, f in [-1/2, 1/2], 2^f by the Cephes
+// exp2f polynomial (Moshier 1989, relative error about 2e-7); x clamped to [-87, 88].
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// RoPE in place on one head: out[i] = x[i] cos[i] - x[i + h] sin[i],
+// out[i + h] = x[i + h] cos[i + h] + x[i] sin[i + h] (transformers' rotate_half).
+inline void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + h] = b * cos[i + h] + a * sin[i + h];
+  }
+}
+
+class DecodeLayer {
+ public:
+  DecodeLayer(torch::Tensor norm1, torch::Tensor norm2, double eps, Blocks qkv, Blocks o, Blocks gate_up,
+              Blocks down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+      : norm1_(norm1.to(torch::kFloat).contiguous()), norm2_(norm2.to(torch::kFloat).contiguous()),
+        eps_(static_cast<float>(eps)), qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)),
+        down_(std::move(down)), nq_(num_heads), nkv_(num_kv_heads), D_(head_dim), H_(norm1.size(0)),
+        I_(gate_up_.N / 2) {
+    TORCH_CHECK(qkv_.N == (nq_ + 2 * nkv_) * D_ && qkv_.K == H_, "qkv blocks must be [(H + 2 KVH) D, hidden]");
+    TORCH_CHECK(o_.N == H_ && o_.K == nq_ * D_, "o_proj blocks must be [hidden, H D]");
+    TORCH_CHECK(gate_up_.K == H_ && down_.N == H_ && down_.K == I_, "MLP blocks do not match");
+  }
+
+  // x [M, hidden] float32; cos, sin [M, head_dim] float32; caches [blocks, block_size, KVH, D]
+  // float32 | bfloat16; slots [M] int64. Returns q [M, num_heads, head_dim] float32.
+  torch::Tensor attn_in(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                        torch::Tensor v_cache, torch::Tensor slots) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == H_ && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, hidden]");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == nkv_ && k_cache.size(3) == D_, "bad KV cache");
+    const int64_t M = x.size(0), W = qkv_.N;
+    auto c = cos.to(torch::kFloat).contiguous();
+    auto s = sin.to(torch::kFloat).contiguous();
+    auto sl = slots.to(torch::kLong).contiguous();
+    h_.resize(M * H_);
+    buf_.resize(M * W);
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r) rms_norm_row(xp + r * H_, norm1_.data_ptr<float>(), eps_, H_, h_.data() + r * H_);
+    qkv_.matmul(h_.data(), M, buf_.data(), W);
+    auto q = torch::empty({M, nq_, D_}, x.options());
+    float* qp = q.data_ptr<float>();
+    const int64_t kv_row = nkv_ * D_;
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = buf_.data() + r * W;
+      const float* cr = c.data_ptr<float>() + r * D_;
+      const float* sr = s.data_ptr<float>() + r * D_;
+      for (int64_t hd = 0; hd < nq_ + nkv_; ++hd) rope_head(row + hd * D_, cr, sr, D_);
+      std::memcpy(qp + r * nq_ * D_, row, sizeof(float) * nq_ * D_);
+      const int64_t slot = sl.data_ptr<int64_t>()[r];
+      const float* k = row + nq_ * D_;
+      const float* v = k + kv_row;
+      if (k_cache.scalar_type() == torch::kFloat) {
+        store_row(k, k_cache.data_ptr<float>() + slot * kv_row, kv_row);
+        store_row(v, v_cache.data_ptr<float>() + slot * kv_row, kv_row);
+      } else {
+        TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "KV cache must be float32 or bfloat16");
+        store_row(k, k_cache.data_ptr<at::BFloat16>() + slot * kv_row, kv_row);
+        store_row(v, v_cache.data_ptr<at::BFloat16>() + slot * kv_row, kv_row);
+      }
+    }
+    return q;
+  }
+
+  // x [M, hidden] float32, updated in place; attn [M, num_heads * head_dim] float32.
+  void attn_out(torch::Tensor x, torch::Tensor attn) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == H_ && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, hidden]");
+    const int64_t M = x.size(0);
+    auto a = attn.to(torch::kFloat).contiguous().view({M, nq_ * D_});
+    float* xp = x.data_ptr<float>();
+    h_.resize(M * H_);
+    buf_.resize(M * 2 * I_);
+    act_.resize(M * I_);
+    o_.matmul(a.data_ptr<float>(), M, h_.data(), H_);
+    for (int64_t i = 0; i < M * H_; ++i) xp[i] += h_[i];
+    for (int64_t r = 0; r < M; ++r) rms_norm_row(xp + r * H_, norm2_.data_ptr<float>(), eps_, H_, h_.data() + r * H_);
+    gate_up_.matmul(h_.data(), M, buf_.data(), 2 * I_);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* g = buf_.data() + r * 2 * I_;
+      const float* u = g + I_;
+      float* out = act_.data() + r * I_;
+#pragma omp simd
+      for (int64_t i = 0; i < I_; ++i) out[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
+    }
+    down_.matmul(act_.data(), M, h_.data(), H_);
+    for (int64_t i = 0; i < M * H_; ++i) xp[i] += h_[i];
+  }
+
+ private:
+  torch::Tensor norm1_, norm2_;
+  float eps_;
+  Blocks qkv_, o_, gate_up_, down_;
+  int64_t nq_, nkv_, D_, H_, I_;
+  std::vector<float> h_, buf_, act_;  // scratch (one step at a time per layer)
+};
+
+// RMSNorm of each row: x [M, H] float32, weight [H]; returns [M, H] float32.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto xc = x.to(torch::kFloat).contiguous();
+  auto wc = weight.to(torch::kFloat).contiguous();
+  const int64_t M = xc.size(0), H = xc.size(1);
+  auto out = torch::empty_like(xc);
+  for (int64_t r = 0; r < M; ++r)
+    rms_norm_row(xc.data_ptr<float>() + r * H, wc.data_ptr<float>(), static_cast<float>(eps), H, out.data_ptr<float>() + r * H);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  py::class_<Blocks>(mod, "Blocks")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>(), py::arg("codes"), py::arg("d"),
+           py::arg("m"), py::arg("bits"));
+  py::class_<DecodeLayer>(mod, "DecodeLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, double, Blocks, Blocks, Blocks, Blocks, int64_t, int64_t, int64_t>())
+      .def("attn_in", &DecodeLayer::attn_in, "norm, QKV, RoPE, KV write; returns q [M, H, D]")
+      .def("attn_out", &DecodeLayer::attn_out, "x += o_proj(attn); x += MLP(norm(x)), in place");
+  mod.def("rms_norm", &rms_norm, "RMSNorm per row (float32)");
+  mod.attr("isa") = pdq::kIsa;
+}
