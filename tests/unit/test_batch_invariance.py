@@ -17,7 +17,7 @@ import torch
 import engine.model_runner as model_runner
 from engine.batch_invariant import invariant_linear
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, eos_ids_of
+from engine.engine import LLMEngine
 from shared.messages import SamplingParams
 
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
