@@ -8,8 +8,8 @@ run undisturbed and alone:
 * a temperature-0 chat request sent twice (the second finds its prompt in the prefix cache),
   streamed and not;
 * a seeded stream whose decode worker is SIGKILLed mid-stream and resumed by the other one;
-* disaggregated (prefilled by the prefill worker) vs aggregated (the prefill worker killed: the
-  conditional router sends prompts to the decode worker, which prefills them itself).
+* disaggregated (prefilled by the prefill worker) vs aggregated (the tokenizer restarted with
+  PD_ROUTING=aggregated: the decode worker prefills the prompts itself).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from services import launcher
 from tests.pipeline_fixture import deployment, heartbeats, metric_value
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,17 +80,21 @@ def proc(dep, name: str):
     return next(p for p in dep.procs if p.name == name)
 
 
+def routes_of(heartbeat, target: str) -> float:
+    return metric_value(heartbeat.metrics_port, "pd_router_decisions_total", f'target="{target}"')
+
+
 def routes(dep, target: str) -> float:
-    tok = next(h for h in heartbeats(dep.settings).values() if h.stage == "tokenizer")
-    return metric_value(tok.metrics_port, "pd_router_decisions_total", f'target="{target}"')
+    """The live tokenizer's routing decisions to ``target`` (local or remote)."""
+    live = [h for h in heartbeats(dep.settings).values() if h.stage == "tokenizer"]
+    assert len(live) == 1
+    return routes_of(live[0], target)
 
 
 def test_same_request_same_tokens_through_the_pipeline(tmp_path, tiny_model_dir, nats_url):
     ns = f"t{uuid.uuid4().hex[:10]}"
-    # conditional routing with a local limit of 0: every prompt goes to the prefill worker while
-    # one is alive, and to a decode worker once none is (aggregated serving)
     with deployment(tmp_path, str(tiny_model_dir), ns, replicas={"decode": 2}, dtype="auto", block_size=4,
-                    routing="conditional", router_local_max_tokens=0, ack_wait_s=2.0, stall_timeout_s=30.0) as dep, \
+                    routing="disaggregated", ack_wait_s=2.0, stall_timeout_s=30.0) as dep, \
             httpx.Client(base_url=dep.url, timeout=120) as client:
         assert dep.settings.batch_invariant
         # --- the seeded example: alone (twice: the second hits the prefix cache), then in a crowd
@@ -106,28 +111,34 @@ def test_same_request_same_tokens_through_the_pipeline(tmp_path, tiny_model_dir,
         assert [chat(client, CHAT, stream=s) for s in (True, False, True)] == [greedy] * 3
         # --- the undisturbed long stream, then the same with its decode worker killed mid-stream
         undisturbed = stream_completion(client, LONG)
-        victim, survivor = proc(dep, "decode-0"), proc(dep, "decode-1")
-        os.kill(survivor.popen.pid, signal.SIGSTOP)  # the request must land on the victim
-        try:
-            def kill_victim(n: int) -> None:
-                if n == 5:
-                    os.kill(victim.popen.pid, signal.SIGKILL)
-                    os.kill(survivor.popen.pid, signal.SIGCONT)
-            resumed = stream_completion(client, LONG, on_chunk=kill_victim)
-        finally:
-            os.kill(survivor.popen.pid, signal.SIGCONT)
-        assert victim.popen.wait(10) == -signal.SIGKILL
+        decoders = {h.instance_id.rsplit("-", 1)[0]: h.metrics_port
+                    for h in heartbeats(dep.settings).values() if h.stage == "decode"}
+        assert sorted(decoders) == ["decode-0", "decode-1"]
+        killed = []
+
+        def kill_the_one_decoding(n: int) -> None:
+            if n == 5:
+                busy = [name for name, port in decoders.items() if metric_value(port, "pd_decode_kv_blocks_used") > 0]
+                assert len(busy) == 1, busy
+                victim = proc(dep, busy[0])
+                os.kill(victim.popen.pid, signal.SIGKILL)
+                killed.append(victim)
+
+        resumed = stream_completion(client, LONG, on_chunk=kill_the_one_decoding)
+        assert killed and killed[0].popen.wait(10) == -signal.SIGKILL
         assert resumed == undisturbed
-        # --- aggregated: no prefill worker alive, the decode worker prefills the prompts itself
-        remote_before = routes(dep, "remote")
-        assert remote_before > 0 and routes(dep, "local") == 0
-        prefill = proc(dep, "prefill-0")
-        os.kill(prefill.popen.pid, signal.SIGKILL)
-        prefill.popen.wait(10)
-        deadline = time.monotonic() + 30
-        while any(h.stage == "prefill" for h in heartbeats(dep.settings).values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        time.sleep(dep.settings.heartbeat_timeout_s)  # the tokenizer's registry forgets it too
+        # --- aggregated: the tokenizer restarted with PD_ROUTING=aggregated sends every prompt to
+        # a decode worker, which prefills it itself (the prefill worker stays up, unused)
+        assert routes(dep, "remote") > 0 and routes(dep, "local") == 0
+        i = next(k for k, p in enumerate(dep.procs) if p.name == "tokenizer-0")
+        dep.procs[i].popen.terminate()
+        dep.procs[i].popen.wait(30)
+        dep.settings = dep.settings.replace(routing="aggregated")
+        dep.procs[i] = launcher.spawn(dep, "tokenizer-0")
+        deadline = time.monotonic() + 120
+        while not any(h.stage == "tokenizer" and h.ready and h.instance_id.startswith("tokenizer-0-")
+                      and routes_of(h, "local") == 0 for h in heartbeats(dep.settings).values()):
+            assert time.monotonic() < deadline and dep.procs[i].popen.poll() is None, "tokenizer did not restart"
         assert complete(client, SEEDED) == seeded
         assert chat(client, CHAT, stream=True) == greedy
-        assert routes(dep, "local") == 2 and routes(dep, "remote") == remote_before
+        assert routes(dep, "local") == 2 and routes(dep, "remote") == 0
