@@ -12,7 +12,7 @@ import sys
 
 #: ``pdserve bench <name> [options]``: the module whose ``main(argv)`` runs it (each parses its own options).
 BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench_engine", "modes": "bench_modes",
-              "load": "loadgen", "gpu": "bench_gpu"}
+              "load": "loadgen", "gpu": "bench_gpu", "invariant": "bench_invariant"}
 
 
 def bench(argv: list[str]) -> int:

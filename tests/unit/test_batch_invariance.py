@@ -196,3 +196,18 @@ def test_mode_off_changes_logits(bf16_model, monkeypatch):
     chunked = run(make_engine(model, invariant=False, max_num_batched_tokens=16), [(0, "c", prompt, GREEDY)],
                   monkeypatch)["c"]
     assert chunked.logits != whole.logits
+
+
+def test_quantized_weights_alone_and_beside_a_long_prefill(bf16_model, monkeypatch):
+    """GGUF-style 4-bit blocks (engine.quant.BlockLinear): a step of more than 64 rows used to
+    de-quantize and call a GEMM instead of the block kernel; the mode keeps the kernel."""
+    from engine.weights import quantize_float
+
+    model = copy.deepcopy(bf16_model[0])
+    assert quantize_float(model, "Q4_1")["int4"] > 0
+    vocab = model.config.vocab_size
+    target = prompts([13], vocab, seed=6)[0]
+    alone = run(make_engine(model), [(0, "g", target, GREEDY)], monkeypatch)["g"]
+    crowd = [(0, "g", target, GREEDY), (0, "long", prompts([150], vocab, seed=7)[0], GREEDY),
+             (3, "d", prompts([5], vocab, seed=8)[0], GREEDY)]
+    assert run(make_engine(model), crowd, monkeypatch)["g"] == alone
