@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_attention
 from engine.outputs import EngineStats, PromptKV, StepOutput
+from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from shared.errors import ContextLengthExceeded, InvalidRequest
@@ -257,6 +258,9 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         num_full = num_prompt // bs
         local = loaded = 0
+        # a prompt decode prefills itself with prompt logprobs needs every position's logits
+        if wants_prompt_logprobs(seq):
+            num_full, tail = 0, None
         for i in range(num_full):
             h = seq.block_hashes[i]
             block = bm.lookup(h)
@@ -330,6 +334,8 @@ class LLMEngine:
             ends_here = reason is not None or seq.stop_after_prefill
             out = StepOutput(seq, [token_id], [logprob], index=seq.num_output_tokens - 1, finished=ends_here,
                              finish_reason=reason)
+            if out.index == 0 and seq.sampling.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
             if seq.stop_after_prefill and reason is None:
                 out.prompt_kv = self.export_prompt_kv(seq)
             if ends_here:

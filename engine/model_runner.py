@@ -18,6 +18,7 @@ import torch
 
 import kernels
 from engine.kv_cache import PagedKVCache
+from engine.prompt_logprobs import PromptLogprobRows
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSeq
 from shared.messages import TokenLogprob
@@ -235,9 +236,10 @@ class ModelRunner:
         batch = sorted(batch, key=lambda it: not (it.num_new_tokens == 1 and it.seq.num_computed_tokens > 0))
         ids, pos, meta, logits_index = self._prepare(batch)
         sampled = [item for item in batch if item.samples]
-        keep = torch.tensor([logits_index[i] for i, item in enumerate(batch) if item.samples], dtype=torch.long, device=self.device)
-        if not sampled:
-            keep = keep[:0]
+        prompt_rows = PromptLogprobRows.plan(batch) if meta.prefills else PromptLogprobRows([])
+        extra = prompt_rows.rows
+        keep = torch.tensor([logits_index[i] for i, item in enumerate(batch) if item.samples] + extra,
+                            dtype=torch.long, device=self.device)
         logits = None
         if self.graphs is not None and not meta.prefills and sampled:
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
@@ -247,12 +249,15 @@ class ModelRunner:
                 input_ids=ids.unsqueeze(0),
                 position_ids=pos.unsqueeze(0),
                 use_cache=False,
-                logits_to_keep=keep if sampled else torch.tensor([0], device=self.device),
+                logits_to_keep=keep if keep.numel() else torch.tensor([0], device=self.device),
                 pd_attn=meta,
             )
+            logits = out.logits[0]  # [num_sampled + len(extra), vocab]
+            if extra:
+                prompt_rows.apply(logits[len(sampled):])
+                logits = logits[: len(sampled)]
             if not sampled:
                 return StepResult([], [], [])
-            logits = out.logits[0]  # [num_sampled, vocab]
         rows = [SamplingRow(it.seq.sampling, it.seq.prompt_token_ids, it.seq.output_token_ids) for it in sampled]
         token_ids, logprobs = sample(logits, rows)
         return StepResult(token_ids, logprobs, sampled)

@@ -36,6 +36,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     prompt_kv: PromptKV | None = None
+    #: on a sequence's first output, when it asked for them: prompt tokens 1.. (prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def request_id(self) -> str:

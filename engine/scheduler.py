@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -111,7 +112,9 @@ class Scheduler:
         # 2. waiting sequences, unless this step had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            computed = bm.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+            # prompt logprobs need the logits of every prompt position: no prefix-cache hits
+            use_cache = seq.num_computed_tokens == 0 and not wants_prompt_logprobs(seq)
+            computed = bm.get_computed_blocks(seq) if use_cache else []
             num_computed = seq.num_computed_tokens + len(computed) * bm.block_size
             n = min(seq.num_tokens - num_computed, budget, self.max_chunk)
             if not bm.can_allocate(seq, n, computed):

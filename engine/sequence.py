@@ -60,6 +60,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: with ``sampling.prompt_logprobs``: entry i is prompt token i + 1's (engine/prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.update_block_hashes()

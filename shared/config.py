@@ -175,6 +175,7 @@ class Settings:
     # --- gateway ------------------------------------------------------------------------
     gateway_host: str = _doc("Gateway bind address.", default="127.0.0.1")
     gateway_port: int = _doc("Gateway HTTP port.", default=8000)
+    playground: bool = _doc("Serve the browser playground (chat + per-request timeline) at /.", default=True)
     request_timeout_s: float = _doc(
         "Deadline of a whole request; past it the client gets an error.", default=600.0
     )

@@ -39,7 +39,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``seed`` is always set by the gateway (a random one when the client gave none), so every
     request is reproducible and can be regenerated token for token after a worker dies.
     ``max_tokens`` counts output tokens. ``logprobs``: None = off, k = the chosen token's
-    log-probability plus the k most likely alternatives.
+    log-probability plus the k most likely alternatives. ``prompt_logprobs``: the same for
+    every prompt token after the first, computed in prefill (``echo`` with ``logprobs``).
     """
 
     max_tokens: int
@@ -58,6 +59,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -174,7 +176,8 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
 class TokenChunk(_Message, tag="tokens"):
     """Prefill/decode → postfilter. ``token_ids`` are output tokens ``index, index+1, ...``.
 
-    ``spec`` is present exactly when ``index`` is 0. ``finish_reason`` ("stop" | "length")
+    ``spec`` is present exactly when ``index`` is 0, and so are ``prompt_logprobs`` (prompt
+    tokens 1.., when the request asked for them). ``finish_reason`` ("stop" | "length")
     is set on the request's last chunk. ``worker`` is the sending instance: one decode worker
     owns a request's stream at a time (the last to take it over, or to ``replay`` it from index
     0 to a new postfilter); chunks from any other are dropped.
@@ -189,6 +192,7 @@ class TokenChunk(_Message, tag="tokens"):
     worker: str = ""
     replay: bool = False
     marks: list[tuple[str, float]] = []
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -219,7 +223,8 @@ class TextChunk(_Message, tag="text"):
     """Postfilter → gateway. ``text`` starts at character ``text_offset`` of the output, so a
     gateway can drop text it already sent when a chunk is re-sent after a failover.
     ``logprobs`` (when asked for) has one entry per output token this chunk consumed.
-    ``source`` is the postfilter's inbox: where to ask for a resend (:class:`TextResend`)."""
+    ``source`` is the postfilter's inbox: where to ask for a resend (:class:`TextResend`).
+    ``prompt_logprobs`` (prompt tokens 1.., when asked for) rides on the request's first chunk."""
 
     request_id: str
     text: str
@@ -230,6 +235,7 @@ class TextChunk(_Message, tag="text"):
     logprobs: list[OutputLogprob] | None = None
     source: str = ""
     marks: list[tuple[str, float]] = []
+    prompt_logprobs: list[OutputLogprob] | None = None
 
 
 class Accepted(_Message, tag="accepted"):

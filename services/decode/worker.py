@@ -129,6 +129,7 @@ class DecodeWorker(ModelWorker):
                 logprobs=out.logprobs if req.task.sampling.logprobs is not None else None,
                 worker=self.instance_id,
                 marks=marks,
+                prompt_logprobs=out.prompt_logprobs,
             ))
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)

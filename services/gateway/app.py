@@ -32,6 +32,7 @@ from services.gateway.openai_models import (
 )
 from services.gateway.parse import parse_body, read_json
 from services.gateway.pipeline import PipelineClient
+from services.gateway.playground import mount_playground
 from services.gateway.service import MAX_TIMELINES, Gateway
 from shared.config import Settings
 from shared.errors import InvalidRequest, ModelNotFound, PdError
@@ -229,4 +230,6 @@ def create_app(settings: Settings, client: PipelineClient | None = None) -> Fast
                   exception_handlers=ERROR_HANDLERS)
     app.state.gateway = gw
     app.include_router(router)
+    if settings.playground:
+        mount_playground(app)
     return app

@@ -201,6 +201,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    #: 0 only with ``echo``: the prompt's logprobs alone (what lm-evaluation-harness may send)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_INT)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
@@ -220,10 +222,14 @@ class CompletionRequest(_SamplingFields):
             if len(self.prompt) * self.n > MAX_CHOICES:
                 raise InvalidRequest(f"{len(self.prompt)} prompts × n={self.n} exceeds {MAX_CHOICES} completions per "
                                      "request", param="prompt")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo together with logprobs (prompt logprobs) is not supported", param="echo",
-                                 code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens 0 is only allowed with echo", param="max_tokens")
         return self
+
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token when ``echo`` and ``logprobs`` ask for the prompt's
+        logprobs (computed in prefill), else None."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""

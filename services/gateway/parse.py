@@ -12,6 +12,7 @@ import json
 import random
 import time
 
+import msgspec
 from fastapi import Request
 from pydantic import ValidationError
 
@@ -160,7 +161,8 @@ class ChoiceBuilder:
         """One pipeline request per (prompt, choice); choice index = prompt * n + k, sampled
         with seed + index."""
         now = time.time()
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        # max_tokens 0 (echo): prefill samples one token anyway; the answer leaves it out
+        max_tokens = max(1, req.max_tokens) if req.max_tokens is not None else 16
         seed = self._base_seed(req)
         choices = []
         for p, prompt in enumerate(req.prompts()):
@@ -168,7 +170,9 @@ class ChoiceBuilder:
                 index = p * req.n + k
                 task = TokenizeTask(
                     meta=self._meta(f"{base_id}-{index}", now, req, tenant),
-                    sampling=self.sampling_for(req, max_tokens, (seed + index) % (1 << 63), req.num_logprobs()),
+                    sampling=msgspec.structs.replace(
+                        self.sampling_for(req, max_tokens, (seed + index) % (1 << 63), req.num_logprobs()),
+                        prompt_logprobs=req.prompt_logprobs()),
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=prompt if isinstance(prompt, list) else None,
                 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from services.gateway.echo import PromptEcho
 from services.gateway.run import Choice, Delta
 from shared.messages import OutputLogprob
 
@@ -72,8 +73,10 @@ def completion_logprobs(entries: list[OutputLogprob], text_offset: int = 0) -> d
 class Responses:
     """Builds the bodies of one API request."""
 
-    def __init__(self, endpoint: str, request_id: str, model: str, created: int, req, echo_texts: list[str]):
+    def __init__(self, endpoint: str, request_id: str, model: str, created: int, req, echo_texts: list[str],
+                 prompt_echo: PromptEcho | None = None):
         self.endpoint = endpoint
+        self.prompt_echo = prompt_echo  # echo with logprobs: the prompt's logprobs lead
         self.request_id = request_id
         self.model = model
         self.created = created
@@ -100,15 +103,23 @@ class Responses:
             items = []
             for c in choices:
                 echo = self.echo_texts[c.prompt_index] if self.echo_texts else ""
+                pe = self.prompt_echo
                 items.append({
                     "index": c.index,
-                    "text": echo + "".join(c.text),
-                    "logprobs": completion_logprobs(c.logprobs, len(echo)) if self.want_logprobs else None,
+                    "text": echo + ("" if pe and pe.zero_output else "".join(c.text)),
+                    "logprobs": pe.logprobs(c.prompt_index, c.prompt_logprobs, c.logprobs) if pe else
+                    completion_logprobs(c.logprobs, len(echo)) if self.want_logprobs else None,
                     "finish_reason": c.finish_reason,
                 })
             obj = "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": items, "usage": usage_of(choices)}
+                "choices": items, "usage": self._usage(choices)}
+
+    def _usage(self, choices: list[Choice]) -> dict:
+        usage = usage_of(choices)
+        if self.prompt_echo is not None and self.prompt_echo.zero_output:  # max_tokens 0: nothing generated
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
 
     # --- stream chunks ------------------------------------------------------------------
     def _chunk(self, items: list[dict], usage: dict | None) -> bytes:
@@ -136,11 +147,16 @@ class Responses:
         else:
             start = d.text_offset
             echo = len(self.echo_texts[d.choice.prompt_index]) if self.echo_texts else 0
-            item = {"index": d.choice.index, "text": d.text,
-                    "logprobs": completion_logprobs(d.logprobs, echo + start) if self.want_logprobs and d.logprobs else None,
-                    "finish_reason": d.finish_reason}
-        return self._chunk([item], usage_of(choices) if self.continuous_usage else None)
+            pe = self.prompt_echo
+            logprobs = completion_logprobs(d.logprobs, echo + start) if self.want_logprobs and d.logprobs else None
+            if pe is not None and d.prompt_logprobs is not None:
+                logprobs = pe.logprobs(d.choice.prompt_index, d.prompt_logprobs, d.logprobs)
+            elif pe is not None and pe.zero_output:
+                logprobs = None
+            item = {"index": d.choice.index, "text": "" if pe and pe.zero_output else d.text,
+                    "logprobs": logprobs, "finish_reason": d.finish_reason}
+        return self._chunk([item], self._usage(choices) if self.continuous_usage else None)
 
     def usage_chunk(self, choices: list[Choice]) -> bytes:
         """The last chunk before ``[DONE]`` with ``stream_options.include_usage``: no choices."""
-        return self._chunk([], usage_of(choices))
+        return self._chunk([], self._usage(choices))

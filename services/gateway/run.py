@@ -50,6 +50,7 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[OutputLogprob] = field(default_factory=list)
+    prompt_logprobs: list[OutputLogprob] | None = None
     accepted: bool = False
     marks: list = field(default_factory=list)
     stream: StreamReceiver = field(
@@ -79,6 +80,7 @@ class Delta:
     finish_reason: str | None
     logprobs: list[OutputLogprob]
     text_offset: int = 0
+    prompt_logprobs: list[OutputLogprob] | None = None
 
 
 class RequestRun:
@@ -261,11 +263,14 @@ class RequestRun:
             first = event.num_tokens - len(event.logprobs)
             new_logprobs = list(event.logprobs[max(0, len(choice.logprobs) - first):])
             choice.logprobs.extend(new_logprobs)
+        prompt_logprobs = None
+        if event.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = prompt_logprobs = list(event.prompt_logprobs)
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
             choice.usage = event.usage
             choice.marks = list(event.marks)
-        return Delta(choice, text, event.finish_reason, new_logprobs, event.text_offset + ready.skip)
+        return Delta(choice, text, event.finish_reason, new_logprobs, event.text_offset + ready.skip, prompt_logprobs)
 
     async def wait_accepted(self) -> None:
         """Until every choice is accepted by the tokenizer (its prompt is valid).

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.admission import Admission, Ticket
+from services.gateway.echo import PromptEcho
 from services.gateway.keys import Tenant
 from services.gateway.openai_models import DetokenizeRequest, TokenizeRequest
 from services.gateway.parse import ChoiceBuilder
@@ -86,7 +87,7 @@ class Gateway:
         self.client.check_ready()
         # echo prompts are checked first: a 400 never holds a concurrent slot or a reservation
         responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req,
-                              self.choices.echo_texts(req))
+                              self.choices.echo_texts(req), PromptEcho.of(req, self.prompts))
         ticket = await self._admit(tenant, choices)
         run = self._new_run(request, endpoint, choices, request_id, ticket, received_at)
         if not req.stream:

@@ -77,6 +77,8 @@ class RequestState:
     #: logprob entries of tokens whose text is not out yet (an incomplete UTF-8 sequence): they
     #: go with the next text, so every token keeps its entry
     held_logprobs: list = field(default_factory=list)
+    #: prompt logprobs (echo + logprobs) until the request's first TextChunk carries them
+    prompt_logprobs: list | None = None
 
 
 class PostfilterWorker(Worker):
@@ -244,6 +246,8 @@ class PostfilterWorker(Worker):
         st.num_tokens += consumed
         entries = ([self._logprob_entry(lp) for lp in chunk.logprobs[ready.skip : ready.skip + consumed]]
                    if chunk.logprobs else [])
+        if chunk.prompt_logprobs is not None and chunk.index == 0 and ready.skip == 0:
+            st.prompt_logprobs = [self._logprob_entry(lp) for lp in chunk.prompt_logprobs]
         if not text and finish is None:
             st.held_logprobs.extend(entries)
             return
@@ -259,8 +263,9 @@ class PostfilterWorker(Worker):
         self.post(st.spec.reply_to, TextChunk(
             request_id=rid, text=text, text_offset=piece.index, num_tokens=st.num_tokens,
             finish_reason=finish, usage=st.usage if finish else None, logprobs=logprobs, source=self.inbox,
-            marks=marks,
+            marks=marks, prompt_logprobs=st.prompt_logprobs,
         ))
+        st.prompt_logprobs = None
         if finish is not None:
             self.states.pop(rid, None)
             self.finished.add(rid)

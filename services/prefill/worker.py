@@ -187,6 +187,7 @@ class PrefillWorker(ModelWorker):
             request_id=meta.request_id, index=0, token_ids=out.new_token_ids, spec=spec,
             finish_reason=out.finish_reason, logprobs=out.logprobs if sp.logprobs is not None else None,
             worker=self.instance_id, marks=meta.marks if out.finish_reason is not None else [],
+            prompt_logprobs=out.prompt_logprobs,
         ))
         if out.finish_reason is not None:
             await item.ack()

@@ -144,7 +144,8 @@ def test_completions_prompt_forms_echo_and_indices(client, tiny_model):
                                                         "stream": True}) as resp:
         chunks = [json.loads(p) for p in read_sse(resp)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == echo["choices"][0]["text"]
-    error_of(client.post("/v1/completions", json={**base, "prompt": "x", "echo": True, "logprobs": 1}), 400)
+    # max_tokens 0 is for echo only (prompt logprobs: tests/integration/test_prompt_logprobs_api.py)
+    error_of(client.post("/v1/completions", json={**base, "prompt": "x", "max_tokens": 0}), 400)
     error_of(client.post("/v1/completions", json={**base, "prompt": [10**7]}), 400)
 
 
