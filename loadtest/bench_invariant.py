@@ -16,7 +16,8 @@ from loadtest.bench_engine import decode_rates, prefill_rates
 from shared.config import Settings
 
 
-def measure(settings: Settings, reps: int, steps: int, context: int, prompt: int = 512) -> dict[str, dict]:
+def measure(settings: Settings, reps: int, steps: int, context: int, prompt: int = 512,
+            say=lambda line: None) -> dict[str, dict]:
     """``{"off": {...}, "on": {...}}`` with ``decode_tok_s_b1``, ``decode_tok_s_b32`` (output
     tokens/s: batch / median step time) and ``prefill_s_512`` (seconds to the first token),
     each the best of ``reps`` interleaved runs."""
@@ -27,6 +28,7 @@ def measure(settings: Settings, reps: int, steps: int, context: int, prompt: int
             step = decode_rates(s, [1, 32], context, steps)
             pre = prefill_rates(s, [prompt])[prompt]
             got = {"decode_tok_s_b1": 1 / step[1], "decode_tok_s_b32": 32 / step[32], f"prefill_s_{prompt}": pre}
+            say(f"mode {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
             for k, v in got.items():
                 old = best[mode].get(k)
                 better = old is None or (v < old if k.startswith("prefill") else v > old)
@@ -38,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench invariant", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2, help="interleaved off/on repetitions (best is kept)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
-    p.add_argument("--context", type=int, default=128, help="tokens of context of each decoding sequence")
+    p.add_argument("--context", type=int, default=64, help="tokens of context of each decoding sequence")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     settings = Settings.from_env()
-    res = measure(settings, args.reps, args.steps, args.context)
+    res = measure(settings, args.reps, args.steps, args.context,
+                  say=(lambda line: None) if args.json else (lambda line: print(line, flush=True)))
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
