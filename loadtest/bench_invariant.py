@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"model {settings.model}, dtype {settings.dtype}, weights {settings.weights}, context {args.context}")
+    print(f"model {settings.model or 'default (SmolLM2-135M-Instruct)'}, dtype {settings.dtype}, weights {settings.weights}, context {args.context}")
     print(f"{'':24}{'off':>10}{'on':>10}{'cost':>9}")
     for key, label in (("decode_tok_s_b1", "decode tok/s, batch 1"), ("decode_tok_s_b32", "decode tok/s, batch 32"),
                        ("prefill_s_512", "prefill 512 tok, s")):
