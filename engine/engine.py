@@ -20,6 +20,7 @@ import torch
 
 from engine.block_manager import BlockManager, KVBlock
 from engine.config import EngineConfig
+from engine.grammar import LazyGrammar, advance
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_attention
 from engine.outputs import EngineStats, PromptKV, StepOutput
@@ -66,6 +67,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.grammar = LazyGrammar(self.runner, mc.vocab_size, self.eos_token_ids)  # constrained decoding
 
     def _enable_cuda_graphs(self) -> None:
         """Capture decode graphs for the configured batch sizes; a capture that fails (an
@@ -92,7 +94,10 @@ class LLMEngine:
             from engine.weights import apply_weights
 
             apply_weights(model, config.weights, folder, device)
-        return cls(model, config, eos_token_ids=eos_ids_of(model))
+        engine = cls(model, config, eos_token_ids=eos_ids_of(model))
+        engine.grammar.prepare(folder)
+        return engine
+
 
     # --- properties ---------------------------------------------------------------------
     @property
@@ -161,6 +166,8 @@ class LLMEngine:
             stop_after_prefill=stop_after_prefill,
             block_hashes=list(block_hashes) if block_hashes else [],
         )
+        if sampling.grammar is not None:
+            seq.matcher = self.grammar.get().matcher_for(sampling.grammar, output_token_ids)
         return seq
 
     def add_request(
@@ -331,6 +338,8 @@ class LLMEngine:
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
             reason = seq.check_finished()
+            if seq.matcher is not None and reason is None and advance(seq.matcher, token_id):
+                reason = "stop"  # the grammar is complete: only EOS could follow
             ends_here = reason is not None or seq.stop_after_prefill
             out = StepOutput(seq, [token_id], [logprob], index=seq.num_output_tokens - 1, finished=ends_here,
                              finish_reason=reason)

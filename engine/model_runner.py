@@ -156,6 +156,7 @@ class ModelRunner:
 
             apply(self)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
+        self.grammar = None  # engine.grammar.GrammarBackend once a constrained request came
 
     def enable_cuda_graphs(self, batch_sizes: Seq[int], max_blocks_per_seq: int, capture=None) -> None:
         """Capture decode steps as CUDA graphs, one per batch size (see ``engine.cuda_graphs``).
@@ -240,6 +241,8 @@ class ModelRunner:
         extra = prompt_rows.rows
         keep = torch.tensor([logits_index[i] for i, item in enumerate(batch) if item.samples] + extra,
                             dtype=torch.long, device=self.device)
+        # the grammar masks of constrained rows are computed in a thread while the forward runs
+        masks = self.grammar.start_masks([it.seq.matcher for it in sampled]) if self.grammar and sampled else None
         logits = None
         if self.graphs is not None and not meta.prefills and sampled:
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
@@ -259,5 +262,5 @@ class ModelRunner:
             if not sampled:
                 return StepResult([], [], [])
         rows = [SamplingRow(it.seq.sampling, it.seq.prompt_token_ids, it.seq.output_token_ids) for it in sampled]
-        token_ids, logprobs = sample(logits, rows)
+        token_ids, logprobs = sample(logits, rows, masks)
         return StepResult(token_ids, logprobs, sampled)

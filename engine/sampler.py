@@ -14,7 +14,7 @@ The draw is the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` picks in
 with probability ``p_j``, one vectorized op per row.
 
 Log-probabilities, when asked for, are of the model's raw distribution (log-softmax of the
-logits before any processing), as vLLM reports them by default.
+logits before any processing, grammar masks included), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -102,12 +102,14 @@ def _filter_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, rows: Seq[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, rows: Seq[SamplingRow], masks=None) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row.
 
     Args:
         logits: ``[batch, vocab]``, any float dtype (computed in float32).
         rows: one per logits row.
+        masks: the grammar masks of constrained rows (``engine.grammar.MaskJob``), applied
+            first (disallowed tokens get -inf, so no later step can bring them back).
 
     Returns:
         ``(token_ids, logprobs)``: a token per row, and per row a TokenLogprob when that
@@ -117,6 +119,9 @@ def sample(logits: torch.Tensor, rows: Seq[SamplingRow]) -> tuple[list[int], lis
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+    if masks is not None:
+        logits = logits.clone()
+        masks.apply(logits)
     if any(_needs_processing(r.params) for r in rows):
         logits = apply_penalties(logits.clone(), rows)
 

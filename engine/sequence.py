@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.hashing import ROOT_HASH, hash_block
 from shared.messages import SamplingParams, TokenLogprob
@@ -40,6 +41,7 @@ class Sequence:
         eos_token_ids: tokens that end the sequence unless ``sampling.ignore_eos``.
         max_model_len: context cap; reaching it ends the sequence ("length").
         stop_after_prefill: prefill workers stop a sequence once its first token is sampled.
+        matcher: its grammar's matcher when ``sampling.grammar`` is set, else None.
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: Any = None  # the llguidance matcher of a constrained sequence (engine/grammar.py)
     #: with ``sampling.prompt_logprobs``: entry i is prompt token i + 1's (engine/prompt_logprobs.py)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 

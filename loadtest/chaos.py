@@ -9,9 +9,12 @@ streamed requests at ``--concurrency``:
 * ``decode``: a decode worker is SIGKILLed every ``--interval`` seconds (while another is
   alive) and restarted by the supervisor; its requests continue on the other one;
 * ``prefill``: the same for prefill;
+* ``postfilter``: the same for a postfilter (two replicas run when this scenario is asked
+  for): decode replays each orphaned stream to the live one, the gateway drops text it has;
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
-* ``disconnect``: a third of the clients go away at a random point of their stream.
+* ``disconnect``: a third of the clients go away at a random point of their stream;
+* with ``--nats-cluster 3``: ``nats-node`` and ``nats-freeze`` (``loadtest/chaos_cluster.py``).
 
 A fault scenario keeps sending requests (cycling through the prompts) until at least
 ``--min-faults`` faults have happened.
@@ -39,10 +42,11 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
-SCENARIOS = ("decode", "prefill", "nats", "redis", "disconnect")
+SCENARIOS = ("decode", "prefill", "nats", "redis", "disconnect", "postfilter")
 TOPICS = ["rivers", "the sea", "mountains", "a small robot", "bread", "winter", "trains", "music", "bees", "clocks"]
 
 
@@ -147,7 +151,7 @@ class Faults(threading.Thread):
         import signal
 
         while not self.stop_event.wait(self.interval_s):
-            if self.kind in ("decode", "prefill"):
+            if self.kind in ("decode", "prefill", "postfilter"):
                 procs = [p for p in self.dep.procs if p.name.startswith(self.kind) and p.popen.poll() is None]
                 # kill one only while another replica that has been up a while survives it:
                 # failover, not outage (a replica still loading its model is not a survivor)
@@ -162,6 +166,9 @@ class Faults(threading.Thread):
                 self.count += 1
             elif self.kind == "redis":
                 self.redis.restart(down_s=0.5)
+                self.count += 1
+            elif self.kind in CLUSTER_SCENARIOS:
+                cluster_fault(self.kind, self.nats, self.rng)
                 self.count += 1
 
     def stop(self) -> None:
@@ -212,40 +219,50 @@ def references(url: str, model: str, prompts: list[str], max_tokens: int, hang_s
 
 
 def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]:
+    """(staged KV bytes, KV blocks held by prefill and decode workers) once the run has settled:
+    polled each second until both read zero twice in a row, at most ``wait_s`` + 15 s (the store
+    reaps blocks whose TTL ran out); the last reading otherwise."""
     from shared.kv import open_store
     from shared.observe import collect_heartbeats, scrape_metric
 
-    time.sleep(wait_s)
+    def held_blocks() -> int:
+        held = 0
+        for hb in collect_heartbeats(settings).values():
+            if hb.stage in ("prefill", "decode") and hb.metrics_port:
+                held += int(scrape_metric(hb.metrics_port, f"pd_{hb.stage}_kv_blocks_used"))
+        return held
+
     store = open_store(settings)
-    end = time.monotonic() + 15
-    staged = store.staged_bytes()
-    while staged and time.monotonic() < end:
-        time.sleep(1.0)
-        store.reap()
-        staged = store.staged_bytes()
-    store.close()
-    held = 0
-    for hb in collect_heartbeats(settings).values():
-        if hb.stage in ("prefill", "decode") and hb.metrics_port:
-            held += int(scrape_metric(hb.metrics_port, f"pd_{hb.stage}_kv_blocks_used"))
-    return staged, held
+    end, zeros = time.monotonic() + wait_s + 15, 0
+    try:
+        while True:
+            store.reap()
+            staged, held = store.staged_bytes(), held_blocks()
+            zeros = zeros + 1 if staged == 0 and held == 0 else 0
+            if zeros >= 2 or time.monotonic() >= end:
+                return staged, held
+            time.sleep(1.0)
+    finally:
+        store.close()
 
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
-              interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None) -> list[Row]:
-    """Run the scenarios; returns one row each (also used by the CI test)."""
+              interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None,
+              nats_nodes: int = 1) -> list[Row]:
+    """Run the scenarios; returns one row each (also used by the CI test). ``nats_nodes`` > 1:
+    on a local NATS cluster of that many nodes, with stream replicas min(3, nodes)."""
     from services import launcher
     from shared.model_files import served_model_name
 
     tmp_ctx = tempfile.TemporaryDirectory() if workdir is None else None
     root = Path(tmp_ctx.name) if tmp_ctx else workdir
-    nats = NatsServer(root / "nats")
+    nats = make_nats(root / "nats", nats_nodes)
     redis = RedisServer(root / "redis")
     nats.start()
     redis.start()
     settings = Settings.from_env(
         model=model, namespace=f"chaos{uuid.uuid4().hex[:6]}", nats_url=nats.url, redis_url=redis.url,
-        kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
+        nats_replicas=min(3, nats_nodes), kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
         first_token_timeout_s=60.0, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
         ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
     )
@@ -253,6 +270,8 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     prompts = make_prompts(requests)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     replicas = {"tokenizer": 1, "prefill": 2, "decode": 2, "postfilter": 1, "gateway": 1}
+    if "postfilter" in scenarios:
+        replicas["postfilter"] = 2  # a killed one fails over to the other
     dep = launcher.up(settings, replicas, root / "state", ready_timeout_s=600, quiet=True)
     sup = SupervisorThread(launcher.Supervisor(dep))
     sup.start()
@@ -322,10 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--interval", type=float, default=4.0, help="seconds between faults")
     p.add_argument("--min-faults", type=int, default=3, help="keep sending requests until this many faults")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default="",
+                   help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}")
+    p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
+    p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
     args = p.parse_args(argv or [])
+    scenarios = args.scenarios or ",".join(CLUSTER_SCENARIOS if args.nats_cluster > 1 else SCENARIOS)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
-                     [s for s in args.scenarios.split(",") if s], args.interval, args.min_faults)
+                     [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
+                     workdir=Path(args.workdir) if args.workdir else None)
     print()
     print(format_rows(rows))
     for r in rows:

@@ -7,6 +7,7 @@
     pdserve settings
     pdserve bench {pipeline,bus,engine,modes,load,gpu} (from loadtest/, see COMMANDS_GROUP)
     pdserve chaos                                    (from loadtest/)
+    pdserve profile | plan | simulate                (from loadtest/sim/)
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def cmd_up(args) -> int:
     affinity = launcher.pin_model_workers(replicas) if args.pin else None
 
     def start():
-        return launcher.up(settings, replicas, state_dir, args.ready_timeout, affinity=affinity)
+        return launcher.up(settings, replicas, state_dir, args.ready_timeout, affinity=affinity,
+                           nats_nodes=args.nats_cluster)
 
     if args.detach:
         print("pdserve: starting in the background ...", flush=True)
@@ -168,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in ("tokenizer", "prefill", "decode", "postfilter"):
         up.add_argument(f"--{stage}", type=int, default=1, metavar="N", help=f"{stage} replicas (default 1)")
     up.add_argument("--pin", action="store_true", help="pin each prefill/decode replica to its own CPU")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="with no NATS at PD_NATS_URL, start a local N-node cluster (JetStream, replicas 3)")
     up.add_argument("--port", type=int, help="gateway port (default PD_GATEWAY_PORT or 8000)")
     up.add_argument("--kv-store", choices=("shm", "redis"), help="KV store (default PD_KV_STORE or shm)")
     up.add_argument("--state-dir", default=None,
@@ -190,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     se.set_defaults(fn=cmd_settings)
 
     helps = {"chaos": "fault-injection suite (killed workers, restarts, disconnects)",
-             "bench": "benchmarks that print their figures: pdserve bench NAME --help"}
+             "bench": "benchmarks that print their figures: pdserve bench NAME --help",
+             "profile": "measure the simulator's cost profile on this machine and model",
+             "plan": "fewest prefill/decode workers that meet TTFT/ITL SLOs (simulated); --emit k8s",
+             "simulate": "replay a trace through a topology in the discrete-event simulator"}
     for name in sorted(external_commands()):
         ext = sub.add_parser(name, help=helps.get(name, f"{name} (from {COMMANDS_GROUP})"), add_help=False)
         ext.add_argument("rest", nargs=argparse.REMAINDER)

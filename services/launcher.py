@@ -43,6 +43,8 @@ class Deployment:
     affinity: dict[str, str] = field(default_factory=dict)  # process name → CPU list
     procs: list[Proc] = field(default_factory=list)
     nats_proc: subprocess.Popen | None = None
+    nats_nodes: int = 1  # > 1: start a local cluster of this many nodes (pdserve up --nats-cluster)
+    nats_cluster: object = None  # services.nats_cluster.NatsCluster, when started here
     redis_proc: subprocess.Popen | None = None
     quiet: bool = False
 
@@ -221,6 +223,8 @@ def stop_all(dep: Deployment) -> None:
     terminate(gateways, timeout_s=dep.settings.shutdown_drain_s + 10)
     terminate([p.popen for p in dep.procs if p.popen not in gateways])
     terminate([p for p in (dep.nats_proc, dep.redis_proc) if p is not None], timeout_s=5)
+    if dep.nats_cluster is not None:
+        dep.nats_cluster.stop()
 
 
 def state_file(state_dir: Path) -> Path:
@@ -235,8 +239,9 @@ def pin_model_workers(replicas: dict[str, int]) -> dict[str, str]:
 
 
 def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_timeout_s: float,
-       quiet: bool = False, affinity: dict[str, str] | None = None) -> Deployment:
-    """Start a deployment; returns once the gateway is ready (or raises SystemExit)."""
+       quiet: bool = False, affinity: dict[str, str] | None = None, nats_nodes: int = 1) -> Deployment:
+    """Start a deployment; returns once the gateway is ready (or raises SystemExit). With
+    ``nats_nodes`` > 1 and no NATS at PD_NATS_URL, a local cluster of that many nodes."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "logs").mkdir(exist_ok=True)
     existing = state_file(state_dir)
@@ -244,7 +249,8 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
         state = json.loads(existing.read_text())
         if any(_alive(pid) for pid in [*state.get("pids", []), state.get("launcher_pid") or 0] if pid):
             raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
-    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet, affinity=affinity or {})
+    dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet, affinity=affinity or {},
+                     nats_nodes=nats_nodes)
     from engine.model_loader import ensure_model, resolve_device
     from shared.model_files import ModelNotAvailable
 
@@ -286,7 +292,7 @@ def write_state(dep: Deployment) -> None:
     state_file(dep.state_dir).write_text(json.dumps({
         "launcher_pid": os.getpid(),
         "pids": [p.popen.pid for p in dep.procs],
-        "infra_pids": [p.pid for p in (dep.nats_proc, dep.redis_proc) if p is not None],
+        "infra_pids": [p.pid for p in (dep.nats_proc, dep.redis_proc, *getattr(dep.nats_cluster, "procs", [])) if p is not None],
         "url": dep.url,
         "updated_at": time.time(),
     }))

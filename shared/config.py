@@ -35,7 +35,10 @@ class Settings:
     """All settings of a pdserve deployment. Units are in the names (``_s``, ``_bytes``)."""
 
     # --- connectivity -------------------------------------------------------------------
-    nats_url: str = _doc("NATS server URL (JetStream on).", default="nats://127.0.0.1:4222")
+    nats_url: str = _doc("NATS server URL (JetStream on); a comma-separated list for a cluster's nodes.",
+                         default="nats://127.0.0.1:4222")
+    nats_replicas: int = _doc("JetStream replicas of the work queues and their consumers (3 on a 3-node cluster).",
+                              default=1)
     namespace: str = _doc(
         "Prefix of every subject, stream, consumer and KV key; lets several deployments "
         "(or test runs) share one NATS and one Redis.",

@@ -84,7 +84,7 @@ def validate_settings(settings: Settings) -> None:
         raise SettingsError("PD_ATTENTION_BACKEND=cpu reads a float32 or bfloat16 KV cache, not float16 "
                             f"(PD_DTYPE={settings.dtype}, PD_KV_CACHE_DTYPE={settings.kv_cache_dtype}); use "
                             "PD_ATTENTION_BACKEND=auto or reference, or PD_KV_CACHE_DTYPE=float32 or bfloat16")
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "nats_replicas"):
         if getattr(settings, name) <= 0:
             raise SettingsError(f"PD_{name.upper()} must be positive")
     for name in ("rate_limit_window_s", "rate_limit_lease_s", "keys_reload_interval_s"):

@@ -41,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``max_tokens`` counts output tokens. ``logprobs``: None = off, k = the chosen token's
     log-probability plus the k most likely alternatives. ``prompt_logprobs``: the same for
     every prompt token after the first, computed in prefill (``echo`` with ``logprobs``).
+    ``grammar``: llguidance grammar (``shared/structured.py``) the output must follow.
     """
 
     max_tokens: int
@@ -60,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -91,9 +93,11 @@ class RequestMeta(msgspec.Struct, frozen=True, omit_defaults=True):
     marks: list[tuple[str, float]] = []
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
+    tool_calls: list[dict] | None = None  # these two only for chat templates that render tools
+    tool_call_id: str | None = None
 
 
 class TokenizeTask(_Message, tag="tokenize"):
@@ -106,6 +110,7 @@ class TokenizeTask(_Message, tag="tokenize"):
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     max_tokens_is_default: bool = False
+    tools: list[dict] | None = None  # function tools for a chat template that renders them
 
 
 class PrefillTask(_Message, tag="prefill"):
@@ -160,17 +165,10 @@ class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def of(cls, meta: RequestMeta, sampling: SamplingParams, num_prompt_tokens: int, num_cached_tokens: int) -> StreamSpec:
-        return cls(
-            reply_to=meta.reply_to,
-            stop=sampling.stop,
-            skip_special_tokens=sampling.skip_special_tokens,
-            include_stop_str_in_output=sampling.include_stop_str_in_output,
-            num_prompt_tokens=num_prompt_tokens,
-            num_cached_tokens=num_cached_tokens,
-            deadline_at=meta.deadline_at,
-            headers=meta.headers,
-            stop_token_ids=sampling.stop_token_ids,
-        )
+        return cls(reply_to=meta.reply_to, stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens,
+                   include_stop_str_in_output=sampling.include_stop_str_in_output,
+                   num_prompt_tokens=num_prompt_tokens, num_cached_tokens=num_cached_tokens,
+                   deadline_at=meta.deadline_at, headers=meta.headers, stop_token_ids=sampling.stop_token_ids)
 
 
 class TokenChunk(_Message, tag="tokens"):

@@ -21,30 +21,58 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from shared import messages
 from shared.bus import Bus, Delivery, EventHandler, NoResponders, PoisonHandler, RequestHandler
 from shared.config import Settings
 from shared.errors import PayloadTooLarge, ServiceUnavailable
 from shared.logging import get_logger
-from shared.subjects import Protocol, WorkQueue
+from shared.nats_queues import (  # noqa: F401 (re-exported: tools and tests import them from here)
+    DUPLICATE_WINDOW_S,
+    MAX_AGE_S,
+    MAX_MSGS,
+    consumer_config,
+    delete_namespace,
+    ensure_all_queues,
+    ensure_work_queue,
+    stream_config,
+)
+from shared.subjects import WorkQueue
 
 log = get_logger(__name__)
 
-#: Seconds JetStream remembers a Nats-Msg-Id for de-duplication.
-DUPLICATE_WINDOW_S = 120.0
-#: Oldest a queued work item may get before the stream drops it (requests have far
-#: shorter deadlines; this only bounds what a dead deployment leaves behind).
-MAX_AGE_S = 3600.0
-#: Bound on queued work items per stream; publishing beyond it fails (back-pressure).
-MAX_MSGS = 100_000
+#: How long a work item's publish is retried (a broker restarting, a stream leader being
+#: elected) before the request fails. A NATS restart takes a few seconds; a client on a
+#: cluster node cut off from its routes waits for the cut to heal and a stream leader to be
+#: elected (20 s was too short for 4 of 653 requests in a partition run, issue 19).
+PUBLISH_RETRY_S = 60.0
+#: Publish errors that mean "not now" rather than "never".
+RETRYABLE_PUBLISH_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
+                            nats.errors.StaleConnectionError,
+                            nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError)
+#: Seconds between checks that an idle work queue's consumer still exists.
+CONSUMER_CHECK_S = 5.0
+#: Lookups of a stream found missing before it is declared again (a second apart).
+STREAM_LOOKUPS = 3
+#: JetStream's "duplicate message id is in process": the first publish of this id is still being
+#: replicated (a retry crossed it during a leader election); asking again gets its answer.
+DUPLICATE_IN_PROCESS = 10158
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a failed publish (or declaration) means "not now" rather than "never"."""
+    return isinstance(exc, RETRYABLE_PUBLISH_ERRORS) or (
+        isinstance(exc, nats.js.errors.APIError) and exc.err_code == DUPLICATE_IN_PROCESS)
+
+
 #: How long a one-shot client waits for its first connection to NATS.
 CONNECT_DEADLINE_S = 5.0
 
 
 async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int = -1) -> NATS:
-    """Connect to ``settings.nats_url``.
+    """Connect to ``settings.nats_url`` (a comma-separated list: every node of a cluster; the
+    client fails over between them).
 
     With the default ``max_reconnect_attempts=-1`` (services) it waits for the server as long
     as it takes, then reconnects forever after any disconnect. With ``>= 0`` (one-shot
@@ -74,7 +102,7 @@ async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int 
         # nats-py retries the first connection forever when max_reconnect_attempts is 0 or
         # negative, whatever allow_reconnect says: bound it here.
         connecting = nats.connect(
-            settings.nats_url,
+            servers=nats_servers(settings.nats_url),
             name=name,
             connect_timeout=3,
             allow_reconnect=True,
@@ -93,70 +121,9 @@ async def connect(settings: Settings, name: str, *, max_reconnect_attempts: int 
         raise ServiceUnavailable(f"cannot reach NATS at {settings.nats_url}: {why}") from exc
 
 
-def stream_config(queue: WorkQueue) -> js_api.StreamConfig:
-    return js_api.StreamConfig(
-        name=queue.stream,
-        subjects=[queue.subject],
-        retention=js_api.RetentionPolicy.WORK_QUEUE,
-        storage=js_api.StorageType.FILE,
-        discard=js_api.DiscardPolicy.NEW,
-        max_msgs=MAX_MSGS,
-        max_age=MAX_AGE_S,
-        duplicate_window=DUPLICATE_WINDOW_S,
-    )
-
-
-def consumer_config(queue: WorkQueue, settings: Settings) -> js_api.ConsumerConfig:
-    return js_api.ConsumerConfig(
-        durable_name=queue.durable,
-        ack_policy=js_api.AckPolicy.EXPLICIT,
-        ack_wait=settings.ack_wait_s,
-        max_deliver=settings.max_deliver,
-        max_ack_pending=10_000,
-        max_waiting=512,
-        filter_subject=queue.subject,
-        deliver_policy=js_api.DeliverPolicy.ALL,
-    )
-
-
-async def ensure_work_queue(js: JetStreamContext, queue: WorkQueue, settings: Settings) -> None:
-    """Create (or bring up to date) a work-queue stream and its durable consumer. Idempotent;
-    every process that uses a queue calls it at start, so start-up order does not matter."""
-    config = stream_config(queue)
-    try:
-        await js.stream_info(queue.stream)
-        await js.update_stream(config)
-    except NotFoundError:
-        try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await js.stream_info(queue.stream)  # another process created it meanwhile
-    cconfig = consumer_config(queue, settings)
-    try:
-        info = await js.consumer_info(queue.stream, queue.durable)
-        if info.config.ack_wait != cconfig.ack_wait or info.config.max_deliver != cconfig.max_deliver:
-            await js.add_consumer(queue.stream, cconfig)  # updates a durable consumer in place
-    except NotFoundError:
-        try:
-            await js.add_consumer(queue.stream, cconfig)
-        except nats.js.errors.BadRequestError:
-            await js.consumer_info(queue.stream, queue.durable)
-    except nats.js.errors.BadRequestError as exc:
-        log.warning("consumer_update_refused", durable=queue.durable, error=str(exc))
-
-
-async def ensure_all_queues(js: JetStreamContext, protocol: Protocol, settings: Settings) -> None:
-    for queue in protocol.work_queues:
-        await ensure_work_queue(js, queue, settings)
-
-
-async def delete_namespace(js: JetStreamContext, protocol: Protocol) -> None:
-    """Delete every stream of a namespace (tests, ``pdserve down --purge``)."""
-    for queue in protocol.work_queues:
-        try:
-            await js.delete_stream(queue.stream)
-        except NotFoundError:
-            pass
+def nats_servers(url: str) -> list[str]:
+    """``PD_NATS_URL`` as a list of server URLs (it may name every node of a cluster)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 async def publish_task(
@@ -175,7 +142,7 @@ async def publish_task(
 
     Raises:
         PayloadTooLarge: the message is over the server's max_payload.
-        ServiceUnavailable: JetStream did not take the message after a few tries.
+        ServiceUnavailable: JetStream did not take the message within ``PUBLISH_RETRY_S``.
     """
     payload = messages.encode(message)
     limit = js._nc.max_payload
@@ -183,10 +150,11 @@ async def publish_task(
         raise PayloadTooLarge(f"the request is {len(payload)} bytes on the bus; at most {limit - 1024} fit")
     hdrs = {"Nats-Msg-Id": queue.msg_id(request_id), **(headers or {})}
     try:
+        # through a broker restart or a stream leader election: the same Nats-Msg-Id, so a
+        # publish that was stored but whose ack was lost is not queued twice
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type((nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                                           nats.errors.ConnectionReconnectingError)),
-            stop=stop_after_attempt(4),
+            retry=retry_if_exception(is_retryable),
+            stop=stop_after_delay(PUBLISH_RETRY_S),
             wait=wait_random_exponential(multiplier=0.1, max=1.0),
             reraise=True,
         ):
@@ -286,6 +254,7 @@ class NatsBus(Bus):
         self.js = nc.jetstream()
         self.settings = settings
         self._pull_subs: dict[str, object] = {}
+        self._checked_at: dict[str, float] = {}  # durable → loop time of its last existence check
 
     @classmethod
     async def connect(cls, settings: Settings, name: str, *, max_reconnect_attempts: int = -1) -> NatsBus:
@@ -297,8 +266,14 @@ class NatsBus(Bus):
         return self.nc.is_connected
 
     async def ensure_queues(self, queues: Iterable[WorkQueue]) -> None:
+        """Declare the queues; JetStream not answering yet (a cluster electing its meta leader,
+        a node restarting) is waited for, up to ``PUBLISH_RETRY_S``."""
         for queue in queues:
-            await ensure_work_queue(self.js, queue, self.settings)
+            async for attempt in AsyncRetrying(retry=retry_if_exception(is_retryable),
+                                               stop=stop_after_delay(PUBLISH_RETRY_S),
+                                               wait=wait_random_exponential(multiplier=0.2, max=2.0), reraise=True):
+                with attempt:
+                    await ensure_work_queue(self.js, queue, self.settings)
 
     async def publish_work(self, queue: WorkQueue, message: messages.Message, request_id: str,
                            headers: dict[str, str] | None = None) -> None:
@@ -314,17 +289,57 @@ class NatsBus(Bus):
                 self._pull_subs[queue.durable] = psub
             msgs = await psub.fetch(max_items, timeout=timeout_s)
         except (TimeoutError, nats.errors.TimeoutError):
+            await self._check_consumer(queue)
             return []
         except (NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
             log.warning("consumer_missing", queue=queue.stream, error=str(exc))
             self._pull_subs.pop(queue.durable, None)
-            await asyncio.sleep(0.5)
-            try:
-                await ensure_work_queue(self.js, queue, self.settings)
-            except Exception:
-                pass
+            await self._recover_queue(queue)
             return []
         return [_NatsDelivery(m) for m in msgs]
+
+    async def _check_consumer(self, queue: WorkQueue) -> None:
+        """After an empty fetch, at most every ``CONSUMER_CHECK_S``: a fetch from a consumer
+        (or stream) that is gone just times out, so ask whether it still exists."""
+        now = asyncio.get_running_loop().time()
+        if now - self._checked_at.get(queue.durable, now - CONSUMER_CHECK_S - 1) < CONSUMER_CHECK_S:
+            return
+        self._checked_at[queue.durable] = now
+        try:
+            await self.js.consumer_info(queue.stream, queue.durable, timeout=2.0)
+        except NotFoundError as exc:
+            log.warning("consumer_missing", queue=queue.stream, error=str(exc))
+            self._pull_subs.pop(queue.durable, None)
+            await self._recover_queue(queue)
+        except Exception:
+            pass  # no answer now (reconnecting, electing a leader): the next check asks again
+
+    async def _recover_queue(self, queue: WorkQueue) -> None:
+        """Declare a queue found missing again. A server still recovering its streams after a
+        restart answers "not found" for a moment, so the stream is looked up a few times
+        first; if it has to be created, what was queued in it is lost: say so on
+        ``<ns>.control.stream_lost``, so gateways resubmit (``shared/recovery.py``)."""
+        await asyncio.sleep(0.5)
+        for _ in range(STREAM_LOOKUPS):
+            try:
+                await self.js.stream_info(queue.stream)
+                break
+            except NotFoundError:
+                await asyncio.sleep(1.0)
+            except Exception:
+                return  # no answer at all (no leader yet, reconnecting): try again at the next pull
+        try:
+            created = await ensure_work_queue(self.js, queue, self.settings)
+        except Exception as exc:
+            log.warning("queue_declare_failed", queue=queue.stream, error=str(exc))
+            return
+        if created:
+            log.error("work_queue_lost", queue=queue.stream)
+            try:
+                await publish_core(self.nc, self.settings.protocol().stream_lost,
+                                   messages.Progress(request_id="", stage=queue.stage))
+            except Exception as exc:
+                log.warning("stream_lost_publish_failed", error=str(exc))
 
     async def queue_depth(self, queue: WorkQueue) -> int:
         info = await self.js.consumer_info(queue.stream, queue.durable, timeout=1.0)

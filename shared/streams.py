@@ -44,6 +44,9 @@ class StreamPolicy:
         resend_interval_s: at least this long between two resend requests for a gap.
         max_pending: pieces held while waiting for an earlier one; one more fails the stream.
         start_timeout_s: pieces that arrived before the stream's first one are kept this long.
+        start_resend_s: when set, a stream with nothing delivered yet asks for a resend from
+            item 0 this often (its first piece may have been lost while its sender is unknown:
+            :meth:`StreamReceiver.poll` then returns a Resend with ``source=""``, a broadcast).
     """
 
     gap_timeout_s: float = 5.0
@@ -52,13 +55,15 @@ class StreamPolicy:
     resend_interval_s: float = 1.0
     max_pending: int = 256
     start_timeout_s: float = 30.0
+    start_resend_s: float | None = None
 
 
 #: decode → postfilter: a gap may be a reorder between prefill's first token and decode's
 #: next, so the postfilter waits a second before asking.
 TOKEN_POLICY = StreamPolicy()
-#: postfilter → gateway: one publisher, so a gap is a loss: ask at once.
-TEXT_POLICY = StreamPolicy(gap_resend_after_s=0.0)
+#: postfilter → gateway: one publisher, so a gap is a loss: ask at once; and a request with no
+#: text yet asks every 3 s whether its first text was lost (a broker restart can eat it).
+TEXT_POLICY = StreamPolicy(gap_resend_after_s=0.0, start_resend_s=3.0)
 
 
 class StreamGap(Exception):
@@ -181,18 +186,24 @@ class StreamReceiver(Generic[Payload]):
         """What to do about a stalled stream, called about once a second.
 
         Returns:
-            a :class:`Resend` to send to the owner, or None.
+            a :class:`Resend` to send to the owner (``source=""``: owner unknown, nothing
+            arrived yet: ask every possible sender), or None.
 
         Raises:
             StreamGap: a gap stayed open past ``policy.gap_timeout_s``.
         """
         p = self.policy
-        if self.is_finished or not self.has_started:
+        if self.is_finished:
             return None
+        if not self.has_started:
+            if p.start_resend_s is None or now - max(self.opened_at, self.last_resend_at) < p.start_resend_s:
+                return None
+            self.last_resend_at = now
+            return Resend(self.source, 0)
         if self.gap_since and now - self.gap_since > p.gap_timeout_s:
             raise StreamGap(f"{self.unit} {self.next_index} never arrived")
-        if not self.source:
-            return None
+        # an unknown owner (nothing came from it yet: only a first piece from another sender)
+        # gets a Resend with source "": the caller asks every possible sender
         gap_open = self.gap_since and now - self.gap_since >= p.gap_resend_after_s
         if gap_open and now - self.last_resend_at >= p.resend_interval_s:
             return self._resend(now)
@@ -310,6 +321,15 @@ class SentStreams:
         self.finished[request_id] = sender
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
+
+    def refresh(self, request_id: str, now: float) -> None:
+        """A finished stream was sent again in full (replayed to a new owner): count it as
+        finished ``now``, so :meth:`finished_since` keeps offering it while its new owner
+        might still die before delivering it."""
+        sender = self.finished.pop(request_id, None)
+        if sender is not None:
+            sender.finished_at = now
+            self.finished[request_id] = sender
 
     def drop(self, request_id: str) -> None:
         """Forget a running stream (aborted: nobody will ask for it)."""

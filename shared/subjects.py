@@ -110,6 +110,19 @@ class Protocol:
         return f"{self.namespace}.control.abort"
 
     @property
+    def resend(self) -> str:
+        """Core NATS broadcast: TextResend from offset 0 for a request whose gateway has no text
+        yet and does not know who streams it; every postfilter and decode worker hears it."""
+        return f"{self.namespace}.control.resend"
+
+    @property
+    def stream_lost(self) -> str:
+        """Core NATS broadcast: Progress(request_id="", stage=<stage>) when a worker found the
+        stage's work-queue stream gone and declared it again: what was queued there is lost,
+        and the gateways resubmit their requests that have no text yet."""
+        return f"{self.namespace}.control.stream_lost"
+
+    @property
     def heartbeat(self) -> str:
         """Core NATS: Heartbeat of every worker (``<ns>.heartbeat.<stage>``)."""
         return f"{self.namespace}.heartbeat.*"

@@ -126,20 +126,26 @@ class Worker:
     async def still_wanted(self, meta: RequestMeta, num_delivered: int) -> bool:
         """Whether to start work on a request. Aborted or past-deadline requests are not.
         Redelivered work, or work queued before this worker started (it missed any Abort
-        broadcast since), is checked with the request's gateway: gone (no responder) or
-        closed means no; no answer in time means yes."""
+        broadcast since), is checked with the request's gateway: closed means no; no answer in
+        time means yes; gone (no responder) means no only once it has stayed gone for
+        ``heartbeat_timeout_s`` — right after a broker restart the gateway may not have
+        subscribed again yet, and "no responders" then says nothing about the request."""
         if meta.request_id in self.aborted or time.time() > meta.deadline_at:
             return False
         if num_delivered <= 1 and meta.created_at >= self.started_at:
             return True
-        try:
-            reply = await self.bus.request(self.protocol.gateway_status(meta.reply_to),
-                                           StatusQuery(request_id=meta.request_id), timeout_s=1.0)
-            return decode_as(reply, RequestStatus).open
-        except NoResponders:
-            return False
-        except Exception:
-            return True
+        gone_until = time.monotonic() + self.settings.heartbeat_timeout_s
+        while True:
+            try:
+                reply = await self.bus.request(self.protocol.gateway_status(meta.reply_to),
+                                               StatusQuery(request_id=meta.request_id), timeout_s=1.0)
+                return decode_as(reply, RequestStatus).open
+            except NoResponders:
+                if time.monotonic() >= gone_until or self.stopping.is_set():
+                    return False
+                await asyncio.sleep(0.5)
+            except Exception:
+                return True
 
     async def publish(self, subject: str, message: Message) -> None:
         try:

@@ -44,6 +44,7 @@ from shared.messages import (
     ResumeQuery,
     ResumeState,
     StreamSpec,
+    TextResend,
     TokenChunk,
     TokenResend,
     decode_as,
@@ -80,10 +81,13 @@ class DecodeWorker(ModelWorker):
         self.active: dict[str, ActiveRequest] = {}
         # token streams: running ones, and finished ones kept for resends and replays
         self.streams = SentStreams(MAX_FINISHED_STREAMS, finished_ttl_s=float("inf"))
+        self.checking_gateway: set[str] = set()  # requests whose gateway is being asked about
+        self.gateway_checks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
         await super().serve()
         await self.bus.subscribe(self.protocol.decode_control(self.instance_id), self._on_control_message)
+        await self.bus.subscribe(self.protocol.resend, self._on_resend_broadcast)
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
@@ -159,6 +163,25 @@ class DecodeWorker(ModelWorker):
                                                 token_ids=piece.items, finish_reason=piece.finish_reason,
                                                 worker=self.instance_id))
 
+    async def _on_resend_broadcast(self, message) -> None:
+        """A broadcast resend: a postfilter that does not know which decode worker streams a
+        request (only prefill's first token came) asks all of them (a TokenResend, answered as
+        one sent here); a gateway with no text yet (a TextResend from 0) gets the tokens sent
+        again from index 0 with the StreamSpec, to the same postfilter — the first token may
+        have been lost before the postfilter knew the request. Duplicates are dropped there."""
+        if isinstance(message, TokenResend):
+            await self._on_control_message(message)
+            return
+        if not isinstance(message, TextResend) or message.from_offset != 0:
+            return
+        stream = self.streams.get(message.request_id)
+        if stream is None or stream.num_items == 0:
+            return
+        task: DecodeTask = stream.context
+        spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
+        self.post(stream.target, TokenChunk(request_id=message.request_id, index=0, token_ids=list(stream.items()),
+                                            spec=spec, finish_reason=stream.finish_reason, worker=self.instance_id))
+
     # --- peers ------------------------------------------------------------------------------
     def _postfilter_alive(self, inbox: str) -> bool:
         return any(h.inbox == inbox for h in self.registry.live("postfilter"))
@@ -188,8 +211,11 @@ class DecodeWorker(ModelWorker):
                     continue
                 reply_to = req.task.meta.reply_to
                 if reply_to in self.gateways_seen and reply_to not in gateways:
-                    self.log.warning("gateway_gone", request_id=rid)
-                    await self.on_abort(Abort(request_id=rid, reason="gateway_gone"))
+                    if rid not in self.checking_gateway:
+                        self.checking_gateway.add(rid)
+                        task = asyncio.get_running_loop().create_task(self._drop_if_gateway_gone(rid, req))
+                        self.gateway_checks.add(task)
+                        task.add_done_callback(self.gateway_checks.discard)
                     continue
                 self._reroute_if_orphaned(rid, req.stream)
             # finished here, but the postfilter died before it could deliver the end: a death
@@ -198,6 +224,17 @@ class DecodeWorker(ModelWorker):
             for rid, stream in list(self.streams.finished_since(horizon)):
                 if stream.context.meta.reply_to in gateways:
                     self._reroute_if_orphaned(rid, stream)
+
+    async def _drop_if_gateway_gone(self, rid: str, req: ActiveRequest) -> None:
+        """The request's gateway has sent no heartbeat for a while: drop the request only if
+        the gateway confirms it (asked as for redelivered work: no answer means alive). Its
+        heartbeats may just be stuck behind a frozen or restarting broker node (issue 19)."""
+        try:
+            if not await self.still_wanted(req.task.meta, num_delivered=2):
+                self.log.warning("gateway_gone", request_id=rid)
+                await self.on_abort(Abort(request_id=rid, reason="gateway_gone"))
+        finally:
+            self.checking_gateway.discard(rid)
 
     def _reroute_if_orphaned(self, rid: str, stream: StreamSender) -> None:
         """If the stream's postfilter died, replay the stream to a live one."""
@@ -209,6 +246,8 @@ class DecodeWorker(ModelWorker):
             return  # none alive now; the gateway's stall timeout bounds the wait
         self.log.warning("postfilter_rerouted", request_id=rid, to=postfilter, finished=stream.is_finished)
         self._replay(rid, stream, postfilter)
+        if stream.is_finished:  # watched again for as long as the new owner might die with it
+            self.streams.refresh(rid, time.monotonic())
 
     async def _resume_point(self, req: ActiveRequest, rid: str) -> tuple[list[int], bool, bool]:
         """For a redelivered task: (output tokens to continue after, whether the stream must be
@@ -298,6 +337,7 @@ class DecodeWorker(ModelWorker):
             # opened before admission: the engine's first output may reach _on_outputs before
             # this coroutine resumes
             req.stream = self.streams.open(rid, req.postfilter, items=output_ids, context=task)
+            await self.engine.grammar.precompile(task.sampling.grammar)  # off the engine thread
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
                 rid, task.prompt_token_ids, output_ids, task.sampling, hashes, blocks, tail,
                 cache_salt=meta.cache_salt))

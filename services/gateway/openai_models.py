@@ -8,10 +8,12 @@ response_format, ...) get a message that says so.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.gateway.tool_models import MAX_TOOLS, ResponseFormat, Tool, ToolCallIn, ToolChoice
+from services.gateway.tools import check_tool_request
 from shared.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
@@ -60,14 +62,20 @@ class TextPart(_Base):
 
 
 class ChatMessageIn(_Base):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         return self
 
     def text(self) -> str:
@@ -88,6 +96,9 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
 class _SamplingFields(_Base):
     """Parameters shared by chat and text completions."""
+
+    #: Keys of NOT_IMPLEMENTED that this endpoint does implement.
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
@@ -141,9 +152,11 @@ class _SamplingFields(_Base):
     def _reject_unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for key, (off, why) in NOT_IMPLEMENTED.items():
+                if key in cls.IMPLEMENTED:
+                    continue
                 if key in data and data[key] is not None and data[key] not in off:
                     raise InvalidRequest(f"'{key}': {why} by this server", param=key, code="unsupported_parameter")
-            data = {k: v for k, v in data.items() if k not in NOT_IMPLEMENTED}
+            data = {k: v for k, v in data.items() if k not in NOT_IMPLEMENTED or k in cls.IMPLEMENTED}
             if data.get("best_of") not in (None, 1, data.get("n", 1)):
                 raise InvalidRequest("'best_of' other than n is not supported; use n", param="best_of",
                                      code="unsupported_parameter")
@@ -176,14 +189,22 @@ class _SamplingFields(_Base):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"response_format", "tools", "tool_choice", "parallel_tool_calls"})
+
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    # structured output and tool calling (services/gateway/tools.py)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _checks(self):
+        check_tool_request(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:

@@ -20,10 +20,11 @@ from services.gateway.admission import Admission
 from services.gateway.keys import Tenant
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, validation_error_to_invalid
 from services.gateway.run import Choice
+from services.gateway.tools import plan_chat
 from services.tokenizer.prompts import PromptProcessor
 from shared.config import Settings
 from shared.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
-from shared.messages import ChatMessage, RequestMeta, SamplingParams, TokenizeTask
+from shared.messages import RequestMeta, SamplingParams, TokenizeTask
 
 
 async def read_json(request: Request, limit_bytes: int) -> dict:
@@ -144,15 +145,18 @@ class ChoiceBuilder:
         now = time.time()
         requested = req.requested_max_tokens()
         max_tokens = requested if requested is not None else self.prompts.max_model_len
-        messages = [ChatMessage(role=m.role if m.role != "developer" else "system", content=m.text()) for m in req.messages]
+        plan = plan_chat(req, self.prompts.tokenizer)  # tools, tool messages, response_format's grammar
         seed = self._base_seed(req)
         return [
             Choice(index=k, prompt_index=0, task=TokenizeTask(
                 meta=self._meta(f"{base_id}-{k}", now, req, tenant),
-                sampling=self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
-                messages=messages,
+                sampling=msgspec.structs.replace(
+                    self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
+                    grammar=plan.grammar),
+                messages=plan.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 max_tokens_is_default=requested is None,
+                tools=plan.tools,
             ))
             for k in range(req.n)
         ]

@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 
+from services.gateway.recovery import Resubmitter
 from shared import messages
 from shared.bus import Bus
 from shared.config import Settings
@@ -47,6 +48,7 @@ class PipelineClient:
         self._routes: dict[str, asyncio.Queue] = {}
         self.backlog: dict[str, int] = {}
         self.missing_since: dict[str, float] = {}
+        self.resubmitter = Resubmitter(self)
 
     async def start(self) -> None:
         if self.bus is None:
@@ -57,6 +59,7 @@ class PipelineClient:
         await self.bus.subscribe(self.inbox, self._on_event)
         await self.bus.serve(self.protocol.gateway_status(self.inbox), self._on_status)
         await self.bus.subscribe(self.protocol.heartbeat, self._on_heartbeat)
+        await self.bus.subscribe(self.protocol.stream_lost, self.resubmitter.on_stream_lost)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         self._watch_task = asyncio.create_task(self._watch_loop())
 
@@ -119,6 +122,7 @@ class PipelineClient:
     async def _on_event(self, message: Message) -> None:
         queue = self._routes.get(getattr(message, "request_id", ""))
         if queue is not None:
+            self.resubmitter.observe(message)
             queue.put_nowait(message)
 
     async def _on_status(self, data: bytes) -> RequestStatus | None:
@@ -165,6 +169,7 @@ class PipelineClient:
 
     def unregister(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
+        self.resubmitter.forget(request_id)
 
     async def submit(self, task: TokenizeTask) -> None:
         """Queue a request for the tokenizer (durable once this returns).
@@ -172,12 +177,16 @@ class PipelineClient:
         Raises:
             ServiceUnavailable: JetStream did not take it.
         """
+        self.resubmitter.submitted(task)
         await self.bus.publish_work(self.protocol.entry, task, task.meta.request_id)
 
     async def resend_text(self, source: str, request_id: str, from_offset: int) -> None:
-        """Ask the postfilter at ``source`` for a request's text from ``from_offset`` on."""
+        """Ask the postfilter at ``source`` for a request's text from ``from_offset`` on; with no
+        text yet (``from_offset`` 0) every postfilter and decode worker is asked: the first
+        token may have been lost before the postfilter knew the request."""
+        subject = self.protocol.postfilter_control(source) if source and from_offset else self.protocol.resend
         try:
-            await self.bus.publish(self.protocol.postfilter_control(source),
+            await self.bus.publish(subject,
                                    TextResend(request_id=request_id, from_offset=from_offset))
         except Exception as exc:
             log.warning("resend_publish_failed", request_id=request_id, error=str(exc))

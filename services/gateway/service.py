@@ -29,6 +29,7 @@ from services.gateway.pipeline import PipelineClient
 from services.gateway.responses import Responses, sse
 from services.gateway.run import Choice, RequestRun
 from services.gateway.timelines import Timeline
+from services.gateway.tool_responses import responses_for
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
 from shared.errors import Aborted, Overloaded, PdError, ServiceUnavailable
@@ -40,6 +41,9 @@ from shared.tracing import start_span
 
 log = get_logger("gateway")
 KEEPALIVE_S = 15.0
+#: Longest a request waits for the gateway to reconnect to NATS before a 503 (a broker restart
+#: takes a few seconds; see issue 19).
+RECONNECT_WAIT_S = 10.0
 #: Timelines kept for /debug/timeline.
 MAX_TIMELINES = 1000
 
@@ -84,10 +88,13 @@ class Gateway:
         """
         if self.shutting_down_at is not None:
             raise ServiceUnavailable("the gateway is shutting down", code="shutting_down")
+        reconnect_until = time.monotonic() + RECONNECT_WAIT_S
+        while not self.client.is_connected and time.monotonic() < reconnect_until:
+            await asyncio.sleep(0.05)  # a broker restart delays requests rather than refusing them
         self.client.check_ready()
         # echo prompts are checked first: a 400 never holds a concurrent slot or a reservation
-        responses = Responses(endpoint, request_id, self.model_name, int(time.time()), req,
-                              self.choices.echo_texts(req), PromptEcho.of(req, self.prompts))
+        responses = responses_for(endpoint, request_id, self.model_name, int(time.time()), req,
+                                  self.choices.echo_texts(req), PromptEcho.of(req, self.prompts))
         ticket = await self._admit(tenant, choices)
         run = self._new_run(request, endpoint, choices, request_id, ticket, received_at)
         if not req.stream:

@@ -105,10 +105,12 @@ class PostfilterWorker(Worker):
         await self.bus.subscribe(self.inbox, self._on_message)
         await self.bus.serve(self.protocol.postfilter_resume(self.inbox), self._on_resume)
         await self.bus.subscribe(self.protocol.postfilter_control(self.inbox), self._on_control_message)
+        await self.bus.subscribe(self.protocol.resend, self._on_control_message)  # broadcast: from offset 0
         self.spawn(self._expire_loop(), "expire")
 
     async def _on_control_message(self, message) -> None:
-        """A gateway missed text (a broker restart lost it): send it again from its offset."""
+        """A gateway missed text (a broker restart lost it): send it again from its offset (a
+        broadcast one, for a request this worker never saw, is ignored)."""
         if not isinstance(message, TextResend):
             return
         sender = self.texts.get(message.request_id)
@@ -162,8 +164,8 @@ class PostfilterWorker(Worker):
                 except StreamGap as exc:
                     self._fail(rid, st, f"token stream gap: {exc}")
                     continue
-                if resend is not None:
-                    self.post(self.protocol.decode_control(resend.source),
+                if resend is not None:  # to its decode worker; to all when none has spoken yet
+                    self.post(self.protocol.decode_control(resend.source) if resend.source else self.protocol.resend,
                               TokenResend(request_id=rid, from_index=resend.from_index))
             self.texts.expire(mono)
 

@@ -42,6 +42,7 @@ from shared.messages import (
     StreamSpec,
     TokenChunk,
 )
+from shared.recovery import work_id
 from shared.timeline import with_mark
 from shared.tracing import span
 
@@ -158,6 +159,7 @@ class PrefillWorker(ModelWorker):
             with span("prefill", meta.headers, request_id=rid, prompt_tokens=len(task.prompt_token_ids)) as carry:
                 meta = msgspec.structs.replace(meta, headers=carry or meta.headers)
                 store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
+                await self.engine.grammar.precompile(task.sampling.grammar)  # off the engine thread
                 await self.engine_loop.call(lambda e: e.add_request(
                     rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
                     cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
@@ -214,7 +216,7 @@ class PrefillWorker(ModelWorker):
             kv=handle,
             num_cached_tokens=seq.num_cached_tokens,
         )
-        await self.bus.publish_work(self.protocol.decode, decode, meta.request_id)
+        await self.bus.publish_work(self.protocol.decode, decode, work_id(meta))
         await item.ack()
 
 

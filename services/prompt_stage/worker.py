@@ -19,6 +19,7 @@ from services.common.runtime import Worker
 from services.plugins.api import PromptStage, load_class, stage_name
 from shared.config import Settings
 from shared.messages import TokenizeTask
+from shared.recovery import work_id
 from shared.timeline import with_mark
 from shared.tracing import span
 
@@ -63,7 +64,7 @@ class StageWorker(Worker):
             out = await self.plugin.process(task)
             meta = with_mark(msgspec.structs.replace(out.meta, headers=carry or out.meta.headers), f"{self.stage}.done")
             await self.bus.publish_work(self.protocol.after_stage(self.name), msgspec.structs.replace(out, meta=meta),
-                                        meta.request_id)
+                                        work_id(meta))
         await item.ack()
 
 

@@ -23,15 +23,18 @@ class PromptProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages`` (a list of ChatMessage or dicts).
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` (a list of ChatMessage or dicts), with
+        ``tools`` (OpenAI function tools) for a template that renders them.
 
         Raises:
             InvalidRequest: the template rejects the conversation.
         """
-        conversation = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        conversation = [m if isinstance(m, dict) else _as_dict(m) for m in messages]
+        extra = {"tools": tools} if tools else {}
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **extra)
         except Exception as exc:  # jinja raises TemplateError and friends
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
 
@@ -46,7 +49,7 @@ class PromptProcessor:
             if any(t < 0 or t >= self.vocab_size for t in ids):
                 raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         elif task.messages is not None:
-            text = self.render_chat(task.messages, task.add_generation_prompt)
+            text = self.render_chat(task.messages, task.add_generation_prompt, task.tools)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = self.tokenizer.encode(task.prompt or "")
@@ -78,6 +81,15 @@ class PromptProcessor:
                 param="max_tokens",
             )
         return requested
+
+
+def _as_dict(m) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls is not None:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def model_limits(folder, max_model_len_setting: int) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from shared.kv import block_key, open_store
 from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
 from shared.metrics import router_metrics
 from shared.model_files import load_tokenizer, model_folder
+from shared.recovery import work_id
 from shared.registry import WorkerRegistry
 from shared.timeline import with_mark
 from shared.tracing import span
@@ -87,11 +88,11 @@ class TokenizerWorker(Worker):
             meta = with_mark(msgspec.structs.replace(meta, headers=carry or meta.headers), "tokenizer.published")
             if target == "remote":
                 task_out = PrefillTask(meta=meta, sampling=sampling, prompt_token_ids=ids, block_hashes=hashes)
-                await self.bus.publish_work(self.protocol.prefill, task_out, meta.request_id)
+                await self.bus.publish_work(self.protocol.prefill, task_out, work_id(meta))
             else:
                 task_out = DecodeTask(meta=meta, sampling=sampling, prompt_token_ids=ids, output_token_ids=[],
                                       block_hashes=hashes, route=reason)
-                await self.bus.publish_work(self.protocol.decode, task_out, meta.request_id)
+                await self.bus.publish_work(self.protocol.decode, task_out, work_id(meta))
         await self.publish(meta.reply_to, Accepted(request_id=meta.request_id, num_prompt_tokens=len(ids),
                                                    max_tokens=max_tokens))
         await item.ack()

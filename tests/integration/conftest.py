@@ -12,9 +12,12 @@ from tests.pipeline_fixture import deployment
 
 @pytest.fixture(scope="session")
 def pipeline(tmp_path_factory, tiny_model_dir, nats_url):
+    """Traced to files in ``<tmp>/spans`` and logging at DEBUG (``task_done`` lines), for
+    test_observability.py: one deployment fewer to start."""
     ns = f"t{uuid.uuid4().hex[:10]}"
-    with deployment(tmp_path_factory.mktemp("pipe"), str(tiny_model_dir), ns, block_size=4,
-                    stall_timeout_s=6.0) as dep:
+    tmp = tmp_path_factory.mktemp("pipe")
+    with deployment(tmp, str(tiny_model_dir), ns, block_size=4, stall_timeout_s=6.0,
+                    tracing=f"file:{tmp / 'spans'}", log_level="DEBUG") as dep:
         yield dep
 
 

@@ -27,14 +27,41 @@ def test_load_generator_replays_a_mooncake_sample_with_prefix_hits(pipeline, tmp
     assert (tmp_path / "cdf_itl.png").exists()
 
 
-def test_modes_comparison_runs_every_mode_and_reports(tiny_model_dir, tmp_path, monkeypatch, nats_url):
+def test_modes_comparison_measures_the_crossover_and_feeds_it_to_conditional_routing(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch, nats_url):
+    """The crossover measurement, on one deployment of each shape (an aggregated decode worker
+    without prefill, then one prefill + one decode worker), its length given to the conditional
+    mode's router, that mode's workload, and the report. Every mode's plan is checked without
+    starting it below; the modes themselves serve in test_routing.py (aggregated, conditional)
+    and everywhere else (disaggregated). (All four modes once ran here: six deployments, 247 s of
+    a 1639 s suite.)"""
     monkeypatch.setenv("PD_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("PD_KV_CACHE_MEMORY_BYTES", str(64 << 20))
     bench_modes.main(["--requests", "6", "--rate", "4", "--short", "16", "--long", "200", "--output-tokens", "6",
-                             "--lengths", "16,200", "--modes", "disaggregated,aggregated,aggregated+chunked,conditional",
-                             "--out", str(tmp_path), "--quiet"])
+                             "--lengths", "16,200", "--modes", "conditional", "--out", str(tmp_path), "--quiet"])
     data = json.loads((tmp_path / "report.json").read_text())
-    assert set(data["summaries"]) == {"disaggregated", "aggregated", "aggregated+chunked", "conditional"}
-    assert all(s["num_ok"] == 6 for s in data["summaries"].values())
+    assert set(data["summaries"]) == {"conditional"}
+    assert data["summaries"]["conditional"]["num_ok"] == 6
     md = (tmp_path / "report.md").read_text()
     assert "Crossover:" in md and "hand-off" in md
+    crossover = int(md.split("Crossover: ")[1].split(" tokens")[0])
+    assert crossover in (16, 200)  # one of the measured lengths (the longest when none pays)
+
+
+def test_every_mode_plan_is_a_valid_deployment():
+    """Each mode's settings pass the start-up checks, its replicas fit its routing, and every
+    pinned worker exists."""
+    from shared.config import Settings
+
+    plans = bench_modes.mode_plans(crossover=64)
+    assert set(plans) == {"disaggregated", "aggregated", "aggregated+chunked", "conditional"}
+    for name, plan in plans.items():
+        settings = Settings.from_env({}, **plan["settings"])
+        reps = plan["replicas"]
+        assert reps["decode"] >= 1, name
+        assert (reps["prefill"] == 0) == (settings.routing == "aggregated"), name
+        names = {f"{stage}-{i}" for stage, n in reps.items() for i in range(n)}
+        assert set(plan["affinity"]) <= names, name
+    assert plans["conditional"]["settings"]["router_local_max_tokens"] == 64
+    assert plans["aggregated+chunked"]["settings"]["max_prefill_chunk_tokens"] == bench_modes.CHUNK_TOKENS
+    assert plans["aggregated"]["settings"]["max_prefill_chunk_tokens"] == 0

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
+from pathlib import Path
 
 import httpx
 import pytest
-
-from tests.pipeline_fixture import deployment
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,12 +17,10 @@ CRITICAL_PATH = ["gateway", "queue.tokenizer", "tokenize", "queue.prefill", "pre
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory, tiny_model_dir, nats_url):
-    tmp = tmp_path_factory.mktemp("traced")
-    ns = f"t{uuid.uuid4().hex[:10]}"
-    with deployment(tmp, str(tiny_model_dir), ns, tracing=f"file:{tmp / 'spans'}", log_level="DEBUG",
-                    block_size=4) as dep:
-        yield dep, tmp / "spans"
+def traced(pipeline):
+    """The shared tiny-model pipeline (conftest.py), which traces to files and logs at DEBUG."""
+    assert pipeline.settings.tracing.startswith("file:") and pipeline.settings.log_level == "DEBUG"
+    return pipeline, Path(pipeline.settings.tracing.removeprefix("file:"))
 
 
 def test_timeline_phases_agree_with_the_clients_own_clock(traced):

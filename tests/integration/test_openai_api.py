@@ -219,8 +219,14 @@ def test_tokenize_and_detokenize(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"store": True}, "store"),
     ({"n": 0}, "n"),
     ({"n": 100}, "n"),
@@ -230,7 +236,8 @@ def test_tokenize_and_detokenize(client):
     ({"top_p": 0}, "top_p"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"seed": "x"}, "seed"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),  # a tool message needs tool_call_id
+    ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
 ])
 def test_unsupported_or_invalid_parameters_are_400(client, extra, param):

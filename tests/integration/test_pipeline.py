@@ -179,7 +179,7 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(client):
     resp = client.post("/v1/chat/completions", json=chat_body(long_prompt, max_tokens=10, stream=True))
     assert error_of(resp, 400)["code"] == "context_length_exceeded"
     err = error_of(client.post("/v1/chat/completions", json=chat_body("hi", tools=[{"type": "function"}])), 400)
-    assert err["param"] == "tools"
+    assert err["param"] == "tools[0].function"  # a tool without its function
     err = error_of(client.post("/v1/chat/completions", json=chat_body("hi", frobnicate=1)), 400)
     assert err["param"] == "frobnicate"
     error_of(client.get("/v1/nothing-here"), 404)

@@ -71,9 +71,17 @@ def engine_cases():
                        id="kv_cache_dtype=float16+attention_backend=cpu")
 
 
-@pytest.mark.parametrize("values", list(engine_cases()))
-def test_engine_setting_serves_or_is_refused_at_start(values, tiny_model_dir, tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_model):
+    """(prompts, transformers' float32 greedy outputs): the same for every case, so computed
+    once (it was most of each case's time)."""
     _, ref, _ = tiny_model
+    prompts = prompts_of([5, 17, 33, 9, 24, 40, 3, 12], ref.config.vocab_size, seed=11)
+    return prompts, [reference(ref, p, MAX_TOKENS, set()) for p in prompts]
+
+
+@pytest.mark.parametrize("values", list(engine_cases()))
+def test_engine_setting_serves_or_is_refused_at_start(values, tiny_model_dir, greedy_reference, tmp_path):
     fields = dict(model=str(tiny_model_dir), cache_dir=str(tmp_path), dtype="float32", kv_cache_memory_bytes=8 << 20,
                   block_size=4)
     fields.update(values)
@@ -93,8 +101,7 @@ def test_engine_setting_serves_or_is_refused_at_start(values, tiny_model_dir, ti
         assert engine.runner.attention.__name__ == "kernels.cpu"
     else:
         assert engine.runner.attention.__name__ == "kernels.attention"
-    prompts = prompts_of([5, 17, 33, 9, 24, 40, 3, 12], ref.config.vocab_size, seed=11)
-    expected = [reference(ref, p, MAX_TOKENS, set()) for p in prompts]
+    prompts, expected = greedy_reference
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     if engine.dtype == torch.float32 and engine.kv_dtype == torch.float32:
         assert [s.output_token_ids for s in engine.generate(prompts, greedy)] == expected

@@ -49,7 +49,28 @@ def test_every_stage_runs_a_real_module_with_consistent_settings(compose):
     nats_host = re.match(r"nats://([^:/]+)", envs["gateway"]["PD_NATS_URL"]).group(1)
     redis_host = re.match(r"redis://([^:/]+)", envs["gateway"]["PD_REDIS_URL"]).group(1)
     assert nats_host in services and redis_host in services
-    assert "-js" in " ".join(services["nats"]["command"]) or "jetstream" in (REPO / "infra/nats/nats.conf").read_text()
+    assert "jetstream" in (REPO / "infra/nats/nats.conf").read_text()
+
+
+def test_compose_runs_a_three_node_nats_cluster_the_services_all_know(compose):
+    """Issue 19: three nats-server nodes with JetStream, routes to each other, stream replicas 3,
+    and every service given every node's URL and waiting for all three to be healthy."""
+    services = compose["services"]
+    nodes = [f"nats-{i}" for i in range(3)]
+    conf = (REPO / "infra/nats/nats.conf").read_text()
+    routes = re.findall(r"nats://([\w-]+):(\d+)", conf.split("cluster", 1)[1])
+    assert sorted(h for h, _ in routes) == nodes and {p for _, p in routes} == {"6222"}
+    assert "server_name: $SERVER_NAME" in conf and "jetstream" in conf
+    names = {services[n]["environment"]["SERVER_NAME"] for n in nodes}
+    assert names == set(nodes)  # unique server names: JetStream's Raft peers
+    data = {v.split(":")[0] for n in nodes for v in services[n]["volumes"] if v.endswith(":/data")}
+    assert len(data) == 3  # a store each
+    for stage in STAGES:
+        env = services[stage]["environment"]
+        assert sorted(re.findall(r"nats://([\w-]+):4222", env["PD_NATS_URL"])) == nodes, stage
+        assert Settings.from_env({k: str(v) for k, v in env.items()}).nats_replicas == 3
+        deps = services[stage].get("depends_on", {})
+        assert all(deps[n]["condition"] == "service_healthy" for n in nodes), stage
 
 
 def test_ports_volumes_and_dependencies(compose):

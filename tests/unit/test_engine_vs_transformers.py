@@ -16,13 +16,20 @@ from shared.messages import SamplingParams
 
 
 def reference(ref_model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    # no eos: an id past the vocabulary, which greedy decoding never picks
-    eos_ids = sorted(eos) or [ref_model.config.vocab_size + 1]
-    with torch.inference_mode():
-        out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
-    return out[0, len(prompt):].tolist()
+    """transformers' greedy output ids after ``prompt``. Memoized on the model object (greedy
+    generate is deterministic, and the reference model is never changed): the tests of both
+    attention backends ask for the same references, which were much of the suite's time."""
+    memo = ref_model.__dict__.setdefault("_pd_reference_memo", {})
+    key = (tuple(prompt), max_new_tokens, frozenset(eos))
+    if key not in memo:
+        ids = torch.tensor([prompt])
+        # no eos: an id past the vocabulary, which greedy decoding never picks
+        eos_ids = sorted(eos) or [ref_model.config.vocab_size + 1]
+        with torch.inference_mode():
+            out = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
+        memo[key] = out[0, len(prompt):].tolist()
+    return list(memo[key])
 
 
 def make_engine(model, **overrides) -> LLMEngine:

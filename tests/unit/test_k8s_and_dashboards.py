@@ -150,3 +150,25 @@ def test_prometheus_and_grafana_provisioning_fit_compose():
     dash = json.loads((REPO / "infra/grafana/dashboards/pdserve.json").read_text())
     assert all(p["datasource"]["uid"] == ds["uid"] for p in dash["panels"])
     assert "prometheus" in compose["services"] and ds["url"].startswith("http://prometheus:")
+
+
+def test_nats_is_a_three_node_cluster_in_the_helm_chart_layout():
+    """Issue 19: a StatefulSet of three with a headless service for the routes, each pod's DNS
+    name a route and a client URL, JetStream on a volume per pod, replicas 3 in the settings."""
+    (sts,) = [d for d in by_kind("StatefulSet").values() if d["metadata"]["name"] == "nats"]
+    services = by_kind("Service")
+    headless = services[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert 6222 in [p["port"] for p in headless["spec"]["ports"]]
+    assert sts["spec"]["replicas"] == 3
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert {"name": "SERVER_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    conf = by_kind("ConfigMap")["nats-config"]["data"]["nats.conf"]
+    pods = [f"nats-{i}.{headless['metadata']['name']}.pdserve.svc.cluster.local" for i in range(3)]
+    assert re.findall(r"nats://([\w.-]+):6222", conf) == pods
+    assert "server_name: $SERVER_NAME" in conf and "jetstream" in conf
+    config = by_kind("ConfigMap")["pdserve-config"]["data"]
+    settings = Settings.from_env(config)
+    assert settings.nats_replicas == 3
+    assert re.findall(r"nats://([\w.-]+):4222", settings.nats_url) == pods
+    assert by_kind("PodDisruptionBudget")["nats"]["spec"]["maxUnavailable"] == 1

@@ -270,6 +270,12 @@ def test_sender_answers_resends_and_replays():
         streams.finish(rid, now=5.0)
     assert streams.get("a") is None  # only the newest max_finished are kept
     assert [rid for rid, _ in streams.finished_since(4.0)] == ["c", "b"]
+    # "b" was replayed in full to a new owner at 8.0: watched from then on, "c" no longer
+    streams.refresh("b", now=8.0)
+    assert [rid for rid, _ in streams.finished_since(6.0)] == ["b"]
+    streams.refresh("gone", now=8.0)  # not kept (or never finished): nothing to watch
+    streams.expire(now=16.0)
+    assert streams.get("c") is None and streams.get("b") is not None
     streams.expire(now=20.0)
     assert streams.get("b") is None
 

@@ -1,0 +1,227 @@
+"""Discrete-event simulation of a pdserve deployment replaying a trace.
+
+``simulate(requests, topology, profile)`` runs every request through the pipeline the real
+system has (``docs/architecture.md``):
+
+    client → gateway → (bus hop) → tokenizer (one FIFO server per replica) → router
+      ├─ remote: (hop) → prefill worker → first token; stage KV → (hop) → decode worker loads it
+      └─ local:  (hop) → decode/aggregated worker prefills and decodes
+    each token: worker step end → (hop) postfilter detokenize → gateway SSE → client
+
+Model workers are :class:`~loadtest.sim.worker.SimWorker` (the engine's real Scheduler and
+BlockManager); the conditional route is the tokenizer's real :class:`~services.tokenizer.router.Router`
+fed heartbeats built from the simulated workers' state. Workers sit on :class:`Host` s whose
+cores they share with the services (the CPU cost per token and per request of the profile).
+
+Outputs (:class:`SimResult`): TTFT, ITL (every gap), TPOT and E2E percentiles, goodput under
+SLOs, per-worker utilization, and the simulator's own speed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from loadtest.sim.metrics import SimResult, summarize
+from loadtest.sim.profile import CostModel, Profile
+from loadtest.sim.worker import Host, SimWorker, new_seq
+from services.tokenizer.router import Router
+from shared.messages import Heartbeat
+
+
+@dataclass
+class Topology:
+    """What to simulate.
+
+    Attributes:
+        mode: ``aggregated`` (``workers`` aggregated workers), ``disaggregated`` (``prefill``
+            + ``decode`` workers) or ``conditional`` (the same, routed per request).
+        workers, prefill, decode: worker counts.
+        host_cores: cores per host (0 = not modelled: each worker has its own, e.g. a GPU).
+        workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores).
+        max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens: engine settings
+            (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
+        local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
+        tokenizers: tokenizer replicas.
+        num_kv_blocks: KV blocks per worker (0 = the profile's).
+    """
+
+    mode: str = "aggregated"
+    workers: int = 2
+    prefill: int = 1
+    decode: int = 1
+    host_cores: int = 0
+    workers_per_host: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk_tokens: int = 0
+    local_max_tokens: int = 256
+    tokenizers: int = 1
+    num_kv_blocks: int = 0
+    enable_prefix_caching: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def label(self) -> str:
+        if self.mode == "aggregated":
+            return f"aggregated ×{self.workers}" + (" chunked" if self.max_prefill_chunk_tokens else "")
+        return f"{self.mode} {self.prefill}P:{self.decode}D"
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers if self.mode == "aggregated" else self.prefill + self.decode
+
+
+class Simulation:
+    """One run; use :func:`simulate`."""
+
+    def __init__(self, topo: Topology, profile: Profile, max_segment: int = 4096):
+        if topo.mode not in ("aggregated", "disaggregated", "conditional"):
+            raise ValueError(f"unknown mode {topo.mode!r}")
+        self.topo, self.p, self.cost = topo, profile, CostModel(profile)
+        self.max_segment = max_segment
+        self.heap: list = []
+        self.n_events = 0
+        self.hop = profile.bus_hop_s
+        self.out_delay = 2 * profile.bus_hop_s
+        self.tok_cpu = profile.token_cpu_s
+        blocks = topo.num_kv_blocks or profile.num_kv_blocks
+        kw = dict(num_blocks=blocks, block_size=profile.block_size, max_num_seqs=topo.max_num_seqs,
+                  max_num_batched_tokens=topo.max_num_batched_tokens,
+                  max_prefill_chunk_tokens=topo.max_prefill_chunk_tokens,
+                  enable_prefix_caching=topo.enable_prefix_caching)
+        self.hosts: list[Host] = []
+
+        def host_for(i: int) -> Host:
+            h = i // max(1, topo.workers_per_host)
+            while len(self.hosts) <= h:
+                self.hosts.append(Host(topo.host_cores, profile.corun_slowdown))
+            return self.hosts[h]
+
+        self.prefill: list[SimWorker] = []
+        self.decode: list[SimWorker] = []
+        if topo.mode == "aggregated":
+            self.decode = [SimWorker(self, f"worker-{i}", "aggregated", self.cost, host_for(i), **kw)
+                           for i in range(topo.workers)]
+        else:
+            # the modes benchmark's placement: prefill-i and decode-i side by side on a host
+            n = max(topo.prefill, topo.decode)
+            order = [(r, i) for i in range(n) for r in ("prefill", "decode")
+                     if i < (topo.prefill if r == "prefill" else topo.decode)]
+            for slot, (role, i) in enumerate(order):
+                w = SimWorker(self, f"{role}-{i}", role, self.cost, host_for(slot), **kw)
+                (self.prefill if role == "prefill" else self.decode).append(w)
+        self.router = Router(topo.local_max_tokens, profile.kv_bytes_per_token)
+        self.tok_free = [0.0] * max(1, topo.tokenizers)
+        self.first: list[float] = []
+        self.last: list[float] = []
+        self.n_out: list[int] = []
+        self.gap_v: list[float] = []
+        self.gap_w: list[int] = []
+        self.remote = 0
+        self.done = 0
+
+    # --- events -----------------------------------------------------------------------
+    def push(self, t: float, fn, arg) -> None:
+        self.n_events += 1
+        heapq.heappush(self.heap, (t, self.n_events, fn, arg))
+
+    def run(self, requests) -> SimResult:
+        n = len(requests)
+        self.first = [float("nan")] * n
+        self.last = [float("nan")] * n
+        self.n_out = [0] * n
+        self.arrival = [r.arrival_s for r in requests]
+        started, cpu0 = time.perf_counter(), time.process_time()
+        for r in requests:
+            self._arrive(r)
+        heap = self.heap
+        pop = heapq.heappop
+        now = 0.0
+        while heap:
+            now, _, fn, arg = pop(heap)
+            fn(now, arg)
+        wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu0
+        workers = self.prefill + self.decode
+        util = {w.name: w.busy_s / now if now else 0.0 for w in workers}
+        return SimResult(self.topo.label(), self.arrival, self.first, self.last, self.n_out, self.gap_v, self.gap_w,
+                         util, now, wall, self.n_events, self.remote, self.done,
+                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu)
+
+    def _arrive(self, req) -> None:
+        # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
+        # computed here. The route is decided when tokenizing ends (an event: it reads worker state).
+        cost = self.cost.tokenize(req.prompt_tokens)
+        i = min(range(len(self.tok_free)), key=self.tok_free.__getitem__)
+        done = max(self.tok_free[i], req.arrival_s + self.hop) + cost
+        self.tok_free[i] = done
+        self.push(done, self._route, req)
+
+    def _route(self, now: float, req) -> None:
+        remote = self.topo.mode == "disaggregated"
+        if self.topo.mode == "conditional":
+            pre = [Heartbeat("prefill", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
+                             queued_prefill_tokens=w.queued_prefill_tokens, num_running=len(w.sched.running))
+                   for w in self.prefill]
+            dec = [Heartbeat("decode", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
+                             num_running=len(w.sched.running)) for w in self.decode]
+            remote = self.router.decide(req.prompt_tokens, 0, pre, dec).target == "remote"
+        bs = self.p.block_size
+        seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
+        if remote:
+            self.remote += 1
+            w = min(self.prefill, key=lambda w: w.queued_prefill_tokens + len(w.inbox))
+        else:
+            w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+        # the gateway's and tokenizer's CPU for this request, on the host it is served from
+        w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
+        self.push(now + self.hop, self._deliver, (w, "new", seq))
+
+    def _deliver(self, now: float, arg) -> None:
+        w, kind, seq = arg
+        w.deliver(now, kind, seq)
+
+    def hand_off(self, t: float, seq) -> None:
+        """A prefill worker staged ``seq``'s KV at ``t``; a decode worker gets it a hop later."""
+        seq.stop_after_prefill = False
+        w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+        self.push(t + self.hop, self._deliver, (w, "kv", seq))
+
+    def host_changed(self, now: float, worker: SimWorker) -> None:
+        """A worker went busy or idle: the others of its host re-time from their next step."""
+        if worker.host.cores:
+            for w in worker.host.workers:
+                if w is not worker and w.busy:
+                    w.cut(now)
+
+    # --- outputs ----------------------------------------------------------------------
+    def tokens(self, seq, first_end: float, end: float, k: int, host: Host) -> None:
+        """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``."""
+        i = seq.req.idx
+        if seq.last_t < 0:
+            self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+        else:
+            self.gap_v.append(first_end - seq.last_t)
+            self.gap_w.append(1)
+        if k > 1:
+            self.gap_v.append((end - first_end) / (k - 1))
+            self.gap_w.append(k - 1)
+        seq.last_t = end
+        self.n_out[i] += k
+        self.last[i] = end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+        host.add_cpu(end, self.tok_cpu * k)
+
+    def finished(self, seq, now: float) -> None:
+        self.done += 1
+
+
+def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,
+             max_segment: int = 4096) -> dict:
+    """Replay ``requests`` (:class:`~loadtest.sim.trace.SimRequest`, arrival order) through
+    ``topo`` with ``profile``'s costs; returns :func:`loadtest.sim.metrics.summarize`'s dict.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    return summarize(Simulation(topo, profile, max_segment).run(requests), slo_ttft_s, slo_tpot_s)

@@ -1,0 +1,202 @@
+"""Simulated against measured: the modes benchmark's workload (``loadtest/bench_modes.py``)
+served for real by each mode and replayed in the simulator, in one script, so both see the
+same machine under the same outside load.
+
+``pdserve bench sim-validate [--requests 60] [--rate 0.5] [--modes ...] [--crossover 128]
+[--profile FILE] [--out DIR]``
+
+1. Unless ``--profile`` is given, a fresh ``pdserve profile --quick`` of the model in
+   ``PD_*`` (this machine, now).
+2. The modes benchmark's deployments (``bench_modes.mode_plans``: each model worker pinned to
+   its own core), its workload (the same seed, so the same arrivals and lengths) through each.
+3. The same requests through the simulator's matching topologies — all workers on one host
+   of ``os.cpu_count()`` cores, the services' CPU sharing them.
+4. A table of p50/p90 TTFT and ITL, simulated vs measured, with the relative error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+from loadtest.sim import trace as traces
+from loadtest.sim.profile import Profile
+from loadtest.sim.simulator import Topology, simulate
+
+
+def sim_topologies(crossover: int, cores: int) -> dict[str, Topology]:
+    """The simulator's twin of each ``bench_modes.mode_plans`` deployment."""
+    common = dict(max_num_seqs=32, host_cores=cores, workers_per_host=2, local_max_tokens=crossover)
+    return {
+        "disaggregated": Topology(mode="disaggregated", prefill=1, decode=1, max_num_batched_tokens=2048,
+                                  max_prefill_chunk_tokens=512, **common),
+        "aggregated": Topology(mode="aggregated", workers=2, max_num_batched_tokens=4096, **common),
+        "aggregated+chunked": Topology(mode="aggregated", workers=2, max_num_batched_tokens=256,
+                                       max_prefill_chunk_tokens=128, **common),
+        "conditional": Topology(mode="conditional", prefill=1, decode=1, max_num_batched_tokens=2048,
+                                max_prefill_chunk_tokens=512, **common),
+    }
+
+
+def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say) -> dict[str, dict]:
+    """Run the real deployments; {mode: loadtest.client.Summary as a dict}."""
+    import random
+
+    from loadtest.bench_modes import Deployed, _model_name, _ttft, mode_plans
+    from loadtest.client import run_workload, summarize
+    from loadtest.workloads import random_tokens, synthetic
+
+    plans = mode_plans(crossover)
+    model = _model_name(base)
+    out = {}
+    for name in modes:
+        say(f"validate: measuring {name} ...")
+        with Deployed(base, plans[name]) as dep:
+            asyncio.run(_ttft(dep.url, model, random_tokens(random.Random(9), 16, vocab)))
+            probe = asyncio.run(_probe(dep.url, model, random_tokens(random.Random(11), args.short, vocab)))
+            specs = synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
+            res, wall = asyncio.run(run_workload(dep.url, model, specs, extra={"ignore_eos": True}, progress=False))
+            out[name] = summarize(res, wall, args.slo_ttft, args.slo_tpot).to_dict()
+            out[name]["probe"] = probe
+            if args.out:  # each mode as it completes: a long run interrupted keeps what it measured
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "measured.json").write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+PROBE_TOKENS = 16
+
+
+async def _probe(url: str, model: str, prompt: list[int], n: int = 3) -> dict:
+    """Median TTFT and ITL of ``n`` requests sent one at a time to the idle deployment."""
+    import statistics
+
+    import httpx
+
+    from loadtest.client import RequestSpec, send_one
+
+    ttfts, itls = [], []
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        for _ in range(n):
+            r = await send_one(client, model, RequestSpec(0, prompt, PROBE_TOKENS, chat=False), extra={"ignore_eos": True})
+            if r.ok:
+                ttfts.append(r.ttft_s)
+                itls.append(r.tpot_s or 0.0)
+    return {"ttft": statistics.median(ttfts), "itl": statistics.median(itls)} if ttfts else {}
+
+
+def calibrate(profile: Profile, topo: Topology, probe: dict, prompt_tokens: int) -> Profile:
+    """``profile`` with ``step_loop_s`` and ``pipeline_s`` set so that one idle request (the
+    probe: ``prompt_tokens``, :data:`PROBE_TOKENS` out) gets the probe's measured TTFT and
+    time per output token. The loaded run is then predicted, not fitted."""
+    from dataclasses import replace
+
+    if not probe:
+        return profile
+    one = [traces.SimRequest(0, 0.0, prompt_tokens, PROBE_TOKENS)]
+    p0 = replace(profile, step_loop_s=0.0, pipeline_s=0.0)
+    s = simulate(one, topo, p0)
+    p1 = replace(p0, step_loop_s=max(0.0, probe["itl"] - s["tpot"]["p50"]))
+    s = simulate(one, topo, p1)
+    return replace(p1, pipeline_s=max(0.0, probe["ttft"] - s["ttft"]["p50"]))
+
+
+def simulate_modes(profile: Profile, modes: list[str], args, vocab: int, crossover: int,
+                   probes: dict | None = None) -> dict[str, dict]:
+    """The workload through each mode's twin; with ``probes`` ({mode: probe}) each twin's
+    profile is first calibrated on its deployment's idle probe (:func:`calibrate`)."""
+    reqs = traces.synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
+    topos = sim_topologies(crossover, args.cores or profile.host_cores or (os.cpu_count() or 1))
+    out = {}
+    for name in modes:
+        prof = calibrate(profile, topos[name], (probes or {}).get(name) or {}, args.short)
+        out[name] = simulate(reqs, topos[name], prof, args.slo_ttft, args.slo_tpot)
+        out[name]["calibration"] = {"step_loop_s": prof.step_loop_s, "pipeline_s": prof.pipeline_s}
+    return out
+
+
+def _mix(args) -> list[tuple[int, float]]:
+    return [(args.short, 1 - args.long_share), (args.long, args.long_share)]
+
+
+def compare(measured: dict, simulated: dict) -> list[dict]:
+    """Rows of (mode, metric, percentile, measured s, simulated s, relative error)."""
+    rows = []
+    for mode, m in measured.items():
+        s = simulated[mode]
+        for metric in ("ttft", "itl"):
+            for q in ("p50", "p90"):
+                a, b = m[metric][q], s[metric][q]
+                err = (b - a) / a if a else float("nan")
+                rows.append({"mode": mode, "metric": metric, "q": q, "measured_s": a, "simulated_s": b, "error": err})
+    return rows
+
+
+def table(rows: list[dict], tolerance: float = 0.15) -> str:
+    out = ["| mode | metric | measured ms | simulated ms | error |", "|---|---|---|---|---|"]
+    for r in rows:
+        flag = "" if abs(r["error"]) <= tolerance else " ✗"
+        out.append(f"| {r['mode']} | {r['metric'].upper()} {r['q']} | {r['measured_s'] * 1e3:.1f} | "
+                   f"{r['simulated_s'] * 1e3:.1f} | {r['error'] * 100:+.0f}%{flag} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.config import Settings
+
+    p = argparse.ArgumentParser(prog="pdserve bench sim-validate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--rate", type=float, default=0.5)
+    p.add_argument("--short", type=int, default=96)
+    p.add_argument("--long", type=int, default=1536)
+    p.add_argument("--long-share", type=float, default=0.2)
+    p.add_argument("--output-tokens", type=int, default=48)
+    p.add_argument("--slo-ttft", type=float, default=5.0)
+    p.add_argument("--slo-tpot", type=float, default=0.25)
+    p.add_argument("--crossover", type=int, default=128, help="the conditional router's local limit")
+    p.add_argument("--modes", default="disaggregated,aggregated,aggregated+chunked,conditional")
+    p.add_argument("--profile", default="", help="use this profile instead of measuring one now")
+    p.add_argument("--cores", type=int, default=0, help="host cores (default: the profile's)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv or [])
+    say = print
+    env = dict(os.environ)
+    env.setdefault("PD_TORCH_THREADS", "1")
+    base = Settings.from_env(env)
+    from loadtest.bench_modes import _vocab
+
+    vocab = _vocab(base)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        from loadtest.sim.measure import measure
+
+        say("validate: profiling this machine now ...")
+        profile = measure(base, quick=True, max_prompt=max(args.long, 1024), max_batch=32, say=say)
+        if args.out:
+            profile.save(Path(args.out) / "profile.json")
+    modes = [m for m in args.modes.split(",") if m]
+    measured = measure_modes(base, modes, args, vocab, args.crossover, say)
+    simulated = simulate_modes(profile, modes, args, vocab, args.crossover,
+                               {m: measured[m].get("probe") for m in modes})
+    raw = simulate_modes(profile, modes, args, vocab, args.crossover)
+    rows = compare(measured, simulated)
+    print(f"\nworkload: {args.requests} requests, Poisson {args.rate} req/s, prompts {args.short} "
+          f"({(1 - args.long_share) * 100:.0f}%) / {args.long} tokens, {args.output_tokens} output tokens; "
+          f"profile {profile.name} (measured {profile.measured}); run started {started}")
+    print(table(rows))
+    print("\nwithout the idle-probe calibration (profile alone):")
+    print(table(compare(measured, raw)))
+    out = Path(args.out or f"reports/sim-validate-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validate.json").write_text(json.dumps({"args": vars(args), "profile": profile.__dict__, "rows": rows,
+                                                   "measured": measured, "simulated": simulated,
+                                                   "uncalibrated": raw}, indent=1, default=str))
+    (out / "validate.md").write_text(table(rows) + "\n")
+    print(f"report: {out / 'validate.md'}")
+    return 0

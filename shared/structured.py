@@ -1,0 +1,127 @@
+"""Grammars for structured output and forced tool calls, made and checked at the gateway.
+
+The result is an llguidance grammar (JSON text) that travels in ``SamplingParams.grammar``;
+the model stages compile it into a token matcher (``engine/grammar.py``). Torch-free.
+
+* ``response_format: {"type": "json_object"}`` → any JSON object;
+  ``{"type": "json_schema", "json_schema": {"schema": ...}}`` → JSON valid for the schema
+  (``strict`` or not: pdserve always enforces the schema, as vLLM and SGLang do).
+* ``tool_choice: "required"`` → a JSON array of one or more calls (one when
+  ``parallel_tool_calls`` is false), each ``{"name": <a tool's name>, "arguments": <valid for
+  that tool's parameters schema>}``; a named function → just its arguments object.
+
+JSON is generated compactly with ``", "`` and ``": "`` separators and no other whitespace
+(so a model cannot pad forever with blanks). Unknown schema keywords (``format`` values
+llguidance lacks, ...) are ignored (llguidance's ``lenient``); a schema that is not a valid
+schema (a wrong ``type``, a bad ``pattern``, a dangling ``$ref``) is a 400 naming the parameter.
+Compiling the same schema again is served from a cache (:data:`CACHE_SIZE` entries).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+from llguidance import LLMatcher
+
+from shared.errors import InvalidRequest
+
+#: llguidance JSON-compiler options (see the module docstring).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+#: Distinct schemas whose grammars each gateway keeps.
+CACHE_SIZE = 512
+#: The schema of ``json_object`` and of a function without ``parameters``.
+ANY_OBJECT: dict = {"type": "object"}
+
+
+@lru_cache(maxsize=CACHE_SIZE)
+def _grammar(schema_json: str, param: str) -> str:
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema_json, overrides=JSON_OPTIONS)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as exc:  # the binding raises ValueError, TypeError or RuntimeError on odd input
+        raise InvalidRequest(f"invalid JSON schema in '{param}': {exc}", param=param) from None
+    if is_error:
+        raise InvalidRequest(f"invalid JSON schema in '{param}': {messages[0] if messages else 'rejected'}",
+                             param=param)
+    return grammar
+
+
+def schema_grammar(schema: dict, param: str) -> str:
+    """The grammar of JSON valid for ``schema``.
+
+    Raises:
+        InvalidRequest: ``schema`` is not a valid JSON schema (400 naming ``param``).
+    """
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"invalid JSON schema in '{param}': a schema is an object", param=param)
+    try:
+        text = json.dumps(schema)  # key order kept: properties are generated in the order given
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"invalid JSON schema in '{param}': {exc}", param=param) from None
+    return _grammar(text, param)
+
+
+def response_format_grammar(response_format: dict | None) -> str | None:
+    """The grammar of an OpenAI ``response_format`` (as a plain dict); None for text.
+
+    Raises:
+        InvalidRequest: an unknown type or an invalid schema (param ``response_format``).
+    """
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return schema_grammar(ANY_OBJECT, "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema")
+        return schema_grammar(ANY_OBJECT if schema is None else schema, "response_format")
+    raise InvalidRequest(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                         param="response_format")
+
+
+def tool_call_schema(tools: list[dict], parallel: bool) -> dict:
+    """The JSON schema of ``tool_choice: "required"`` output: an array of calls.
+
+    Args:
+        tools: OpenAI function tools (``{"type": "function", "function": {name, parameters}}``).
+        parallel: more than one call allowed.
+    """
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or ANY_OBJECT},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema: dict = {"type": "array", "items": item, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def check_tools(tools: list[dict]) -> None:
+    """Every function's ``parameters`` compiles.
+
+    Raises:
+        InvalidRequest: an invalid parameters schema (param ``tools``).
+    """
+    for tool in tools:
+        schema_grammar(tool["function"].get("parameters") or ANY_OBJECT, "tools")
+
+
+def tool_grammar(tools: list[dict], choice: str | None, parallel: bool) -> str | None:
+    """The grammar forcing a tool call: ``choice`` is "required", a function name, or
+    anything else (auto, none: no grammar)."""
+    if not tools or choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return schema_grammar(tool_call_schema(tools, parallel), "tools")
+    fn = next(t["function"] for t in tools if t["function"]["name"] == choice)
+    return schema_grammar(fn.get("parameters") or ANY_OBJECT, "tools")

@@ -1,0 +1,198 @@
+"""Issue 19: a broker restart loses core-NATS messages. The whole pipeline (tokenizer, prefill,
+decode, postfilter and the gateway's client, on the tiny model) runs in one process on an
+in-memory bus that drops exactly one chosen message; the request must still complete with
+the text an undisturbed run of the same request gives."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from services.decode.worker import DecodeWorker
+from services.gateway.pipeline import PipelineClient
+from services.gateway.run import Choice, RequestRun
+from services.postfilter.worker import PostfilterWorker
+from services.prefill.worker import PrefillWorker
+from services.tokenizer.worker import TokenizerWorker
+from shared.config import Settings
+from shared.memory_bus import MemoryBus
+from shared.messages import RequestMeta, SamplingParams, TextChunk, TokenChunk, TokenizeTask
+
+pytestmark = pytest.mark.timeout(120)
+MAX_TOKENS = 12
+
+
+class DroppingBus(MemoryBus):
+    """A MemoryBus whose core publishes matching ``drop`` (subject, message) → bool are lost,
+    each kind at most ``budget`` times."""
+
+    def __init__(self, drop, budget: int = 1):
+        super().__init__(ack_wait_s=5.0)
+        self.drop, self.budget = drop, budget
+        self.dropped: list = []
+
+    async def publish(self, subject, message) -> None:
+        if len(self.dropped) < self.budget and self.drop(subject, message):
+            self.dropped.append(message)
+            return
+        await super().publish(subject, message)
+
+
+async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1) -> tuple[str, list]:
+    """One greedy request through a fresh in-process pipeline; (its text, the dropped messages)."""
+    settings = Settings.from_env({}, model=model, namespace=f"lost{uuid.uuid4().hex[:8]}", instance_id="",
+                                 heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, kv_store="shm",
+                                 kv_cache_memory_bytes=16 << 20, dtype="float32")
+    bus = DroppingBus(drop, budget)
+    workers = [cls(settings, bus=bus) for cls in (TokenizerWorker, PrefillWorker, DecodeWorker, PostfilterWorker)]
+    for w in workers:
+        await w.start()
+    client = PipelineClient(settings, bus=bus)
+    await client.start()
+    try:
+        end = time.monotonic() + 30
+        while client.missing_stages() and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        meta = RequestMeta(request_id=f"r{uuid.uuid4().hex[:8]}", reply_to=client.inbox, model=workers[0].model_name,
+                           created_at=time.time(), deadline_at=time.time() + 60)
+        task = TokenizeTask(meta=meta, sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                            prompt="the lost message")
+        run = RequestRun(client, [Choice(0, 0, task)], meta.deadline_at, stall_timeout_s=15.0, tick_s=0.2)
+        text = []
+        async with run:
+            async for delta in run.deltas():
+                if delta is not None:
+                    text.append(delta.text)
+        assert run.choices[0].num_tokens == MAX_TOKENS
+        return "".join(text), bus.dropped
+    finally:
+        await client.stop()
+        for w in workers:
+            await w.stop()
+        await bus.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> str:
+    text, _ = asyncio.run(run_pipeline(str(tiny_model_dir)))
+    assert text
+    return text
+
+
+def test_first_token_lost_on_its_way_to_the_postfilter(tiny_model_dir, reference):
+    """Prefill's token 0 (it carries the StreamSpec) never arrives: the postfilter cannot know
+    the request; the gateway's resend broadcast makes decode send the stream again from 0."""
+    text, dropped = asyncio.run(run_pipeline(
+        str(tiny_model_dir), lambda s, m: isinstance(m, TokenChunk) and m.index == 0))
+    assert len(dropped) == 1 and dropped[0].spec is not None
+    assert text == reference
+
+
+def test_first_text_lost_on_its_way_to_the_gateway(tiny_model_dir, reference):
+    """The postfilter's first TextChunk never arrives: the gateway knows no postfilter to ask;
+    its broadcast reaches the one that has the text."""
+    text, dropped = asyncio.run(run_pipeline(
+        str(tiny_model_dir), lambda s, m: isinstance(m, TextChunk) and m.text_offset == 0))
+    assert len(dropped) == 1
+    assert text == reference
+
+
+def test_a_whole_token_stream_lost_including_its_end(tiny_model_dir, reference):
+    """Every token chunk of the request is lost, its end included (the broker was away for all
+    of it): nobody downstream of decode knows the request; decode still has the stream."""
+    ended = []
+
+    def drop(subject, message) -> bool:
+        if not isinstance(message, TokenChunk) or ended:
+            return False
+        ended.extend([True] if message.finish_reason else [])
+        return True
+
+    text, dropped = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
+    assert sum(len(m.token_ids) for m in dropped) == MAX_TOKENS and dropped[-1].finish_reason
+    assert text == reference
+
+
+def test_every_decode_token_lost_after_prefills_first(tiny_model_dir, reference):
+    """Prefill's token 0 arrives, every token decode sends is lost, its end included: the
+    postfilter has heard from no decode worker, so it asks them all."""
+    ended = []
+
+    def drop(subject, message) -> bool:
+        if not isinstance(message, TokenChunk) or message.index == 0 or ended:
+            return False
+        ended.extend([True] if message.finish_reason else [])
+        return True
+
+    text, dropped = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
+    assert sum(len(m.token_ids) for m in dropped) == MAX_TOKENS - 1 and dropped[-1].finish_reason
+    assert text == reference
+
+
+def test_no_responders_right_after_a_restart_is_not_a_dead_gateway():
+    """A redelivered item's gateway answers "no responders" while it re-subscribes after a broker
+    restart: the worker keeps asking for heartbeat_timeout_s before it drops the work."""
+    from services.common.runtime import Worker
+    from shared.messages import RequestStatus, StatusQuery, decode_as
+
+    async def go():
+        settings = Settings.from_env({}, namespace="nr", heartbeat_timeout_s=1.5)
+        bus = MemoryBus()
+        worker = Worker(settings, bus=bus)
+        meta = RequestMeta(request_id="r1", reply_to="nr.gateway.g1.events", model="m", created_at=time.time() - 10,
+                           deadline_at=time.time() + 60)
+
+        async def status(data: bytes):
+            return RequestStatus(request_id=decode_as(data, StatusQuery).request_id, open=True)
+
+        async def gateway_back_later() -> None:
+            await asyncio.sleep(0.6)
+            await bus.serve(worker.protocol.gateway_status(meta.reply_to), status)
+
+        back = asyncio.create_task(gateway_back_later())
+        assert await worker.still_wanted(meta, num_delivered=2) is True
+        await back
+        started = time.monotonic()
+        gone = RequestMeta(request_id="r2", reply_to="nr.gateway.gone.events", model="m",
+                           created_at=time.time() - 10, deadline_at=time.time() + 60)
+        assert await worker.still_wanted(gone, num_delivered=2) is False
+        assert time.monotonic() - started >= 1.5
+        await bus.close()
+
+    asyncio.run(go())
+
+
+def test_a_lost_stream_resubmits_requests_without_text_once():
+    """``<ns>.control.stream_lost`` makes the gateway queue its requests that have no text again,
+    as a new attempt (its own de-duplication id), once per loss."""
+    from shared.messages import Progress, decode_as
+    from shared.recovery import attempt, work_id
+
+    async def go():
+        settings = Settings.from_env({}, namespace="sl", heartbeat_interval_s=0.2)
+        bus = MemoryBus()
+        client = PipelineClient(settings, bus=bus)
+        await client.start()
+        tasks = {}
+        for rid in ("waiting", "streaming"):
+            meta = RequestMeta(request_id=rid, reply_to=client.inbox, model="m", created_at=time.time(),
+                               deadline_at=time.time() + 60)
+            tasks[rid] = TokenizeTask(meta=meta, sampling=SamplingParams(max_tokens=4), prompt="p")
+            client.register(rid, asyncio.Queue())
+            await client.submit(tasks[rid])
+        await bus.publish(client.inbox, TextChunk(request_id="streaming", text="a", text_offset=0, num_tokens=1))
+        entry = client.protocol.entry
+        assert len(await bus.pull(entry, 10, 0.1)) == 2
+        for _ in range(2):  # two streams lost at once: one resubmission
+            await bus.publish(client.protocol.stream_lost, Progress(request_id="", stage="prefill"))
+        await asyncio.sleep(0.2)
+        again = [decode_as(d.data, TokenizeTask) for d in await bus.pull(entry, 10, 0.2)]
+        assert [t.meta.request_id for t in again] == ["waiting"]
+        assert attempt(again[0].meta) == 1 and work_id(again[0].meta) == "waiting~1"
+        await client.stop()
+        await bus.close()
+
+    asyncio.run(go())

@@ -1,0 +1,173 @@
+"""The simulator (loadtest/sim): bulk decode segments give the same timings as single steps,
+a lone request's latencies match the profile's arithmetic, queueing, preemption, the
+conditional router's split, the planner's minimality and its k8s overlay."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from loadtest.sim import trace
+from loadtest.sim.metrics import weighted_percentiles
+from loadtest.sim.plan import emit_k8s, plan
+from loadtest.sim.profile import CostModel, Profile
+from loadtest.sim.simulator import Simulation, Topology, simulate
+
+
+def _profile(**kw) -> Profile:
+    base = dict(name="test", measured=False, machine="-", model="-", dtype="-",
+                prefill_tokens=[1, 128, 512, 2048], prefill_s=[0.01, 0.05, 0.2, 0.8],
+                decode_batch=[1, 8, 32, 64], decode_s=[0.02, 0.03, 0.06, 0.1], decode_ctx_s=0.0,
+                prefill_attn_s=1e-8, step_fixed_s=0.015, kv_bytes_per_token=1000, kv_stage_fixed_s=0.003,
+                kv_stage_s_per_byte=1e-9, kv_load_fixed_s=0.002, kv_load_s_per_byte=1e-9, bus_hop_s=0.001,
+                tokenize_s=0.002, tokenize_s_per_token=1e-6, token_cpu_s=1e-4, request_cpu_s=1e-3,
+                num_kv_blocks=4096, block_size=16)
+    base.update(kw)
+    return Profile(**base)
+
+
+def _workload(n=120, rate=4.0, seed=1):
+    return trace.synthetic(n, rate, [(96, 0.7), (700, 0.3)], 40, seed=seed)
+
+
+@pytest.mark.parametrize("topo", [
+    Topology(mode="aggregated", workers=2, max_num_seqs=16, max_num_batched_tokens=1024, max_prefill_chunk_tokens=256),
+    Topology(mode="disaggregated", prefill=1, decode=2, max_num_seqs=16, max_num_batched_tokens=1024),
+    Topology(mode="conditional", prefill=1, decode=1, max_num_seqs=16, local_max_tokens=128),
+    Topology(mode="aggregated", workers=1, max_num_seqs=32, num_kv_blocks=120),  # preempts
+], ids=lambda t: t.label())
+def test_segments_equal_single_steps(topo):
+    """Advancing k decode steps at once must give every request the same first-token and
+    last-token times as stepping one at a time (the reference: max_segment=1)."""
+    p = _profile()
+    reqs = _workload()
+    bulk = Simulation(topo, p).run(reqs)
+    single = Simulation(topo, p, max_segment=1).run(reqs)
+    assert bulk.events < single.events  # it did take the shortcut
+    assert bulk.n_out == single.n_out == [r.max_tokens for r in reqs]
+    for a, b in zip(bulk.first + bulk.last, single.first + single.last):
+        assert a == pytest.approx(b, abs=1e-9)
+    assert bulk.preemptions == single.preemptions
+
+
+def test_preemption_keeps_every_token():
+    p = _profile()
+    reqs = _workload(60, 20.0)
+    sim = Simulation(Topology(mode="aggregated", workers=1, max_num_seqs=32, num_kv_blocks=90), p)
+    r = sim.run(reqs)
+    assert r.preemptions > 0
+    assert r.n_out == [q.max_tokens for q in reqs]
+
+
+def test_lone_request_matches_the_profile():
+    """One request, nothing else: TTFT and every gap are the profile's arithmetic."""
+    p = _profile(decode_ctx_s=2e-6)
+    c = CostModel(p)
+    req = [trace.SimRequest(0, 0.0, 300, 5)]
+    s = simulate(req, Topology(mode="aggregated", workers=1), p)
+    expect_ttft = p.bus_hop_s + c.tokenize(300) + p.bus_hop_s + c.prefill(300) + 2 * p.bus_hop_s + p.token_cpu_s
+    assert s["ttft"]["p50"] == pytest.approx(expect_ttft, rel=1e-9)
+    gaps = [c.decode_step(1, 300 + i) for i in range(4)]  # context grows by one token a step
+    assert s["tpot"]["p50"] == pytest.approx(sum(gaps) / 4, rel=1e-9)
+    # disaggregated: the second token waits for the KV hand-off (stage, hop, load)
+    d = simulate(req, Topology(mode="disaggregated", prefill=1, decode=1), p)
+    handoff = c.kv_stage(300) + p.bus_hop_s + c.kv_load(300)
+    assert d["e2e"]["p50"] - s["e2e"]["p50"] == pytest.approx(handoff, rel=1e-6)
+
+
+def test_fifo_prefill_queue():
+    """Two long prompts at once on one prefill worker, one per step: the second waits for the first."""
+    p = _profile()
+    c = CostModel(p)
+    reqs = [trace.SimRequest(0, 0.0, 1024, 1), trace.SimRequest(1, 0.0, 1024, 1)]
+    sim = Simulation(Topology(mode="disaggregated", prefill=1, decode=1, max_num_batched_tokens=1024,
+                              max_prefill_chunk_tokens=0), p)
+    r = sim.run(reqs)
+    # the second is tokenized later but reaches the worker while the first is prefilled
+    assert r.first[1] - r.first[0] == pytest.approx(c.prefill(1024), rel=1e-6)
+
+
+def test_conditional_routes_by_the_local_limit():
+    """Idle workers (one output token: nothing stays running): short prompts are cheaper locally,
+    long ones are over the limit — the remote share is the long prompts' share."""
+    p = _profile()
+    reqs = trace.synthetic(200, 0.5, [(64, 0.75), (900, 0.25)], 1, seed=4)
+    long_share = sum(r.prompt_tokens > 128 for r in reqs) / len(reqs)
+    s = simulate(reqs, Topology(mode="conditional", prefill=1, decode=1, local_max_tokens=128), p)
+    assert s["remote_share"] == pytest.approx(long_share)
+
+
+def test_weighted_percentiles_match_expanded_values():
+    import numpy as np
+
+    values, weights = [3.0, 1.0, 2.0, 5.0], [2, 5, 1, 2]
+    expanded = np.repeat(values, weights)
+    w = weighted_percentiles(values, weights)
+    for q in (50, 90, 99):
+        assert w[f"p{q}"] == float(np.percentile(expanded, q, method="inverted_cdf"))
+
+
+def test_profile_roundtrip_and_version(tmp_path):
+    p = _profile()
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+    (tmp_path / "old.json").write_text((tmp_path / "p.json").read_text().replace('"version": 1', '"version": 0'))
+    with pytest.raises(ValueError, match="version"):
+        Profile.load(tmp_path / "old.json")
+    c = CostModel(p)
+    assert [c.prefill(n) for n in p.prefill_tokens] == pytest.approx(p.prefill_s)
+    assert [c.decode_step(b, 0) for b in p.decode_batch] == pytest.approx(p.decode_s)
+
+
+def test_plan_is_minimal_and_emits_k8s(tmp_path):
+    p = _profile()
+    reqs = trace.rescale(_workload(150, 1.0, seed=2), 6.0)
+    res = plan(reqs, p, slo_ttft=1.0, slo_itl=0.08, max_workers=12, say=lambda *a: None)
+    topo, s = res["best"]
+    assert s["ttft"]["p90"] <= 1.0 and s["itl"]["p90"] <= 0.08
+    n = topo.num_workers
+    assert not any(meets for t, _, meets in res["tried"] if t.num_workers < n)
+    paths = emit_k8s(tmp_path, topo, s, reqs, p, 1.0)
+    kust = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    counts = {r["name"]: r["count"] for r in kust["replicas"]}
+    assert counts["prefill"] + counts["decode"] == n
+    keda = list(yaml.safe_load_all((tmp_path / "keda-patch.yaml").read_text()))
+    assert {k["metadata"]["name"]: k["spec"]["minReplicaCount"] for k in keda} == counts
+    assert all(int(k["spec"]["triggers"][0]["metadata"]["lagThreshold"]) >= 1 for k in keda)
+    assert len(paths) == 3
+
+
+def test_host_contention_slows_steps():
+    """Two busy workers on a 2-core host with a co-run slowdown decode slower than on two hosts."""
+    p = _profile(corun_slowdown=1.5, token_cpu_s=0.0, request_cpu_s=0.0, tokenize_s=0.0, tokenize_s_per_token=0.0)
+    reqs = _workload(80, 8.0)
+    apart = simulate(reqs, Topology(mode="aggregated", workers=2, host_cores=2, workers_per_host=1), p)
+    shared = simulate(reqs, Topology(mode="aggregated", workers=2, host_cores=2, workers_per_host=2), p)
+    assert shared["itl"]["p50"] > apart["itl"]["p50"] * 1.2
+    assert math.isfinite(shared["ttft"]["p90"])
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError):
+        simulate(_workload(2), replace(Topology(), mode="ring"), _profile())
+
+
+def test_plan_and_simulate_commands(tmp_path, capsys):
+    from pathlib import Path
+
+    from loadtest.sim import plan as plan_cmd
+    from loadtest.sim import run as run_cmd
+    from services.cli import external_commands
+
+    assert {"profile", "plan", "simulate"} <= set(external_commands())
+    prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")
+    args = ["--profile", prof, "--trace", "poisson:128:0.8,1024:0.2", "--requests", "120", "--rate", "30"]
+    assert plan_cmd.main(args + ["--slo-ttft", "1", "--slo-itl", "0.05", "--emit", "k8s", "--out", str(tmp_path)]) == 0
+    assert "plan:" in capsys.readouterr().out and (tmp_path / "kustomization.yaml").exists()
+    assert run_cmd.main(args + ["--mode", "disaggregated", "--prefill", "1", "--decode", "2"]) == 0
+    assert "disaggregated 1P:2D" in capsys.readouterr().out
+    assert run_cmd.main(["--profile", prof, "--trace", "nope"]) == 2
+    assert "unknown trace" in capsys.readouterr().out
