@@ -59,9 +59,9 @@ def run(engine: LLMEngine, requests, monkeypatch) -> dict[str, Out]:
     captured: list[torch.Tensor] = []
     real_sample = model_runner.sample
 
-    def sample(logits, rows):
+    def sample(logits, rows, *args, **kwargs):
         captured.extend(logits.float().clone())
-        return real_sample(logits, rows)
+        return real_sample(logits, rows, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     execute = engine.runner.execute
