@@ -26,3 +26,4 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     kv_pinned_buffer_bytes: int = 256 << 20
+    batch_invariant: bool = True  # PD_BATCH_INVARIANT: engine.batch_invariant

@@ -92,7 +92,7 @@ def paged_attention_forward(
         )
     for seg in meta.prefills:
         s, e = seg.query_start, seg.query_start + seg.query_len
-        if seg.query_len == seg.context_len:
+        if seg.query_len == seg.context_len and not getattr(attn, "always_paged", False):
             # no cached prefix: attend over this chunk's own keys, no gather needed
             out[s:e] = _causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
         else:
@@ -139,9 +139,11 @@ class ModelRunner:
         model: a transformers causal LM loaded with ``attn_implementation=ATTN_IMPLEMENTATION``.
         kv_cache: the paged KV pool.
         attention_backend: see :func:`kernels.select`.
+        batch_invariant: see :mod:`engine.batch_invariant` (``PD_BATCH_INVARIANT``).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto"):
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto",
+                 batch_invariant: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -151,6 +153,10 @@ class ModelRunner:
         self.fused = fused_decode.build(model, kv_cache.dtype, self.device)  # None: steps run unfused
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
+        if batch_invariant:
+            from engine.batch_invariant import apply
+
+            apply(self)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.grammar = None  # engine.grammar.GrammarBackend once a constrained request came
 

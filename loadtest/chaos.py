@@ -43,7 +43,6 @@ from pathlib import Path
 import httpx
 
 from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
-from loadtest.chaos_refs import cached_references
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
@@ -203,29 +202,20 @@ class Row:
         return sum(o.status == status for o in self.outcomes)
 
 
-def references(settings: Settings, prompts: list[str], max_tokens: int) -> list[str]:
-    """Greedy texts from transformers' own ``generate`` (float32, eager attention, no EOS), not
-    from pdserve's engine: the truth the pipeline must match, independent of the code under
-    test (the engine is checked against the same reference in the test suite)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def references(url: str, model: str, prompts: list[str], max_tokens: int, hang_s: float) -> list[str]:
+    """Greedy texts of each prompt sent alone to the deployment before any fault, in the default
+    dtype: with batch-invariant numerics (``PD_BATCH_INVARIANT``) a request's tokens do not depend
+    on its batch, a prefix hit or the worker that resumes it, so every run under faults must
+    give exactly these. (The engine is checked against transformers in float32 in the suite.)
 
-    from engine.model_loader import ensure_model
-    from shared.model_files import load_tokenizer
-
-    folder = ensure_model(settings)
-    tok = load_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    never = [model.config.vocab_size + 1]  # an id greedy decoding never picks: ignore_eos
-    texts = []
-    for prompt in prompts:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                 tokenize=False), add_special_tokens=False)
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=never, pad_token_id=never[0])
-        texts.append(tok.decode(out[0, len(ids):], skip_special_tokens=True))
-    return texts
+    Raises:
+        RuntimeError: a reference request did not complete.
+    """
+    results = sorted(asyncio.run(run_load(url, model, prompts, 1, max_tokens, 0.0, hang_s, seed=0)), key=lambda r: r[0])
+    failed = [o for _, o in results if o.status != "completed"]
+    if failed:
+        raise RuntimeError(f"reference run without faults failed: {failed[0]}")
+    return [o.text for _, o in results]
 
 
 def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]:
@@ -275,18 +265,10 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
         nats_replicas=min(3, nats_nodes), kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
         first_token_timeout_s=60.0, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
         ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
-        # "wrong" compares texts exactly: float32, because bfloat16 (auto's choice on CPUs with
-        # AMX) rounds differently at different batch sizes and near-ties flip
-        dtype="float32",
     )
     name = served_model_name(settings)
     prompts = make_prompts(requests)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy) ...")
-    from engine.model_loader import ensure_model
-
-    expected = cached_references(Path(ensure_model(settings)), prompts, max_tokens,
-                                 lambda: references(settings, prompts, max_tokens))
     replicas = {"tokenizer": 1, "prefill": 2, "decode": 2, "postfilter": 1, "gateway": 1}
     if "postfilter" in scenarios:
         replicas["postfilter"] = 2  # a killed one fails over to the other
@@ -296,6 +278,8 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     rows = []
     hang_s = settings.request_timeout_s + 30
     try:
+        say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy, alone) ...")
+        expected = references(dep.url, name, prompts, max_tokens, hang_s)
         for k, scenario in enumerate(scenarios):
             say(f"chaos: scenario {scenario} ...")
             faults = Faults(scenario, dep, nats, redis, interval_s, seed=k)

@@ -13,7 +13,7 @@ import sys
 #: ``pdserve bench <name> [options]``: the module whose ``main(argv)`` runs it (each parses its own options).
 BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench_engine", "modes": "bench_modes",
               "load": "loadgen", "gpu": "bench_gpu",
-              "sim-validate": "sim.validate"}
+              "sim-validate": "sim.validate", "invariant": "bench_invariant"}
 
 
 def bench(argv: list[str]) -> int:

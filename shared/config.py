@@ -124,6 +124,11 @@ class Settings:
         default=0,
     )
     enable_prefix_caching: bool = _doc("Reuse KV blocks of identical prompt prefixes.", default=True)
+    batch_invariant: bool = _doc(
+        "CPU: a request's tokens do not depend on the rest of the batch, the prefix cache or chunking "
+        "(fixed-shape linear calls, per-token paged attention); costs speed (docs/decisions.md).",
+        default=True,
+    )
 
     # --- routing ------------------------------------------------------------------------
     routing: str = _doc(

@@ -37,7 +37,7 @@ def make_engine(model, **overrides) -> LLMEngine:
     the model it is given in place, which would make every later engine on the same object run
     C++ kernels whatever its backend."""
     cfg = dict(model_id="tiny", block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
-               attention_backend="reference")
+               attention_backend="reference", batch_invariant=False)  # the kernels as they are, not that mode
     cfg.update(overrides)
     assert not rewired(model), "the shared tiny model was modified in place"
     engine = LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=eos_ids_of(model))
@@ -59,14 +59,14 @@ def prompts_of(lengths, vocab, seed=0):
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu+batch_invariant"])
 def test_mixed_batch_matches_generate(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     prompts = prompts_of([1, 3, 7, 16, 33], model.config.vocab_size)
-    engine = make_engine(model, attention_backend=backend)
+    engine = make_engine(model, attention_backend=backend.split("+")[0], batch_invariant="+" in backend)
     # the parameter decides what runs: C++ linears and norms only on the cpu backend
-    assert bool(rewired(engine.model)) == (backend == "cpu")
+    assert bool(rewired(engine.model)) == backend.startswith("cpu")
     seqs = engine.generate(prompts, GREEDY)
     for p, s in zip(prompts, seqs):
         assert s.output_token_ids == reference(ref, p, 12, eos)
@@ -94,12 +94,13 @@ def test_sequences_join_and_leave_mid_batch(tiny_model, backend):
         assert seqs[i].output_token_ids == reference(ref, p, lengths[i], eos), i
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu+batch_invariant"])
 def test_chunked_prefill_matches(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     prompts = prompts_of([40, 23, 3], model.config.vocab_size, seed=2)
-    engine = make_engine(model, max_num_batched_tokens=8, attention_backend=backend)  # every prompt longer than 8 is chunked
+    engine = make_engine(model, max_num_batched_tokens=8, attention_backend=backend.split("+")[0],
+                         batch_invariant="+" in backend)  # every prompt longer than 8 is chunked
     seqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
     step_tokens, first_token_step = [], None
     while engine.has_unfinished():
@@ -128,14 +129,14 @@ def test_preemption_by_recompute_matches(tiny_model, backend):
         assert s.output_token_ids == ref_out
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu+batch_invariant"])
 def test_prefix_cache_hit_matches_and_skips_work(tiny_model, backend):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)
     vocab = model.config.vocab_size
     shared = prompts_of([24], vocab, seed=4)[0]
     a, b = shared + [5, 6, 7], shared + [9, 10]
-    engine = make_engine(model, attention_backend=backend)
+    engine = make_engine(model, attention_backend=backend.split("+")[0], batch_invariant="+" in backend)
     (sa,) = engine.generate([a], GREEDY)
     before = engine.stats.num_prefill_tokens
     (sb,) = engine.generate([b], GREEDY)

@@ -1,0 +1,213 @@
+"""Batch-invariant numerics (PD_BATCH_INVARIANT, engine.batch_invariant) on the tiny model in
+bfloat16 (the default dtype on a CPU with native bf16): a request's tokens, and the logits they
+were sampled from, are bit-identical whatever else is in the batch, with or without a prefix
+hit, chunked or not, and when resumed from its tokens on another engine. The reference of each
+case is the same request run alone on a fresh engine. With the mode off the logits differ
+(the last test), so these tests measure the mode, not luck."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import engine.model_runner as model_runner
+from engine.batch_invariant import invariant_linear
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from shared.messages import SamplingParams
+
+SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
+
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
+                                                 attn_implementation=ATTN_IMPLEMENTATION).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def make_engine(model, invariant=True, **overrides) -> LLMEngine:
+    cfg = dict(model_id="tiny", block_size=4, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=512,
+               attention_backend="auto", batch_invariant=invariant)
+    cfg.update(overrides)
+    return LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=())
+
+
+@dataclass
+class Out:
+    """A request's output tokens and the bytes of the logits row each was sampled from
+    (compared), and the prompt tokens it found in the prefix cache (not compared)."""
+
+    tokens: list[int]
+    logits: list[bytes]
+    cached: int = field(default=0, compare=False)
+
+
+def run(engine: LLMEngine, requests, monkeypatch) -> dict[str, Out]:
+    """Run ``requests``: ``(step, request_id, prompt, sampling[, output_token_ids])``, each added
+    before engine step ``step``; returns each request's :class:`Out`."""
+    captured: list[torch.Tensor] = []
+    real_sample = model_runner.sample
+
+    def sample(logits, rows, *args, **kwargs):
+        captured.extend(logits.float().clone())
+        return real_sample(logits, rows, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+    execute = engine.runner.execute
+    logits: dict[str, list[bytes]] = {}
+
+    def traced(batch):
+        captured.clear()
+        result = execute(batch)
+        for item, row in zip(result.sampled, captured, strict=True):
+            logits.setdefault(item.seq.request_id, []).append(row.numpy().tobytes())
+        return result
+
+    engine.runner.execute = traced
+    pending = sorted(requests, key=lambda r: r[0])
+    seqs = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, sampling, *out = pending.pop(0)
+            seqs[rid] = engine.add_request(rid, prompt, sampling, output_token_ids=out[0] if out else ())
+        engine.step()
+        step += 1
+    engine.runner.execute = execute
+    return {rid: Out(s.output_token_ids, logits.get(rid, []), s.num_cached_tokens) for rid, s in seqs.items()}
+
+
+def prompts(lengths, vocab, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def test_linear_rows_do_not_depend_on_neighbours():
+    """A row's result through invariant_linear is the same bits at any position, beside any
+    rows, for any row count (bf16 and fp32: fp32 matmul here takes a GEMV path at one row)."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(96, 64, generator=gen).to(dtype)
+        b = torch.randn(96, generator=gen).to(dtype)
+        x = torch.randn(1, 64, generator=gen).to(dtype)
+        alone = invariant_linear(x, w, b)
+        for m, pos in [(2, 1), (5, 3), (32, 31), (33, 32), (70, 40), (300, 7)]:
+            batch = torch.randn(m, 64, generator=gen).to(dtype)
+            batch[pos] = x[0]
+            assert torch.equal(invariant_linear(batch, w, b)[pos], alone[0]), (dtype, m, pos)
+
+
+def test_seeded_request_alone_and_beside_unseeded_copies(bf16_model, monkeypatch):
+    """The issue's example: "Once upon a time", 16 tokens at temperature 0.8, seed 42, alone
+    three times (the second and third hit the prefix cache) and beside five unseeded copies."""
+    model, tok = bf16_model
+    prompt = tok("Once upon a time")["input_ids"]
+    engine = make_engine(model)
+    alone = [run(engine, [(0, f"a{i}", prompt, SEEDED)], monkeypatch)[f"a{i}"] for i in range(3)]
+    assert alone[0] == alone[1] == alone[2]
+    unseeded = SamplingParams(max_tokens=16, temperature=0.8)
+    crowd = [(0, "s", prompt, SEEDED)] + [(i // 2, f"u{i}", prompt, unseeded) for i in range(5)]
+    out = run(make_engine(model), crowd, monkeypatch)
+    assert out["s"] == alone[0]
+    # the copies drew their own (random) seeds: the test had neighbours that really differ
+    assert len({tuple(out[f"u{i}"].tokens) for i in range(5)} | {tuple(out["s"].tokens)}) > 1
+
+
+def test_greedy_with_and_without_a_prefix_hit(bf16_model, monkeypatch):
+    model, _ = bf16_model
+    vocab = model.config.vocab_size
+    shared, tail_a, tail_b = prompts([37, 5, 9], vocab, seed=1)
+    prompt = shared + tail_a
+    fresh = run(make_engine(model), [(0, "p", prompt, GREEDY)], monkeypatch)["p"]
+    engine = make_engine(model)
+    run(engine, [(0, "other", shared + tail_b, GREEDY)], monkeypatch)
+    hit = run(engine, [(0, "p", prompt, GREEDY)], monkeypatch)["p"]
+    assert fresh.cached == 0 and hit.cached == 36  # the shared 37 tokens' 9 full blocks
+    assert hit == fresh
+    # the same prompt again: all its full blocks from the cache
+    again = run(engine, [(0, "p2", prompt, GREEDY)], monkeypatch)["p2"]
+    assert again.cached == 40
+    assert again == fresh
+
+
+def test_greedy_alone_and_beside_prefills_and_decodes(bf16_model, monkeypatch):
+    """A greedy request alone, then beside 1, 4 and 9 other decodes joining at different steps
+    and long prompts (150-200 tokens) prefilled in the same steps as its decode."""
+    model, _ = bf16_model
+    vocab = model.config.vocab_size
+    target = prompts([13], vocab, seed=2)[0]
+    alone = run(make_engine(model), [(0, "g", target, GREEDY)], monkeypatch)["g"]
+    for count in (1, 4, 9):
+        others = prompts([3 + 5 * i for i in range(count)], vocab, seed=10 + count)
+        longs = prompts([150, 200], vocab, seed=20 + count)
+        reqs = [(0, "g", target, GREEDY)]
+        reqs += [(i % 4, f"d{i}", p, SamplingParams(max_tokens=4 + i, temperature=0.0)) for i, p in enumerate(others)]
+        reqs += [(2, "long0", longs[0], GREEDY), (5, "long1", longs[1], GREEDY)]
+        out = run(make_engine(model), reqs, monkeypatch)
+        assert out["g"] == alone, count
+
+
+def test_chunked_and_unchunked_prefill(bf16_model, monkeypatch):
+    model, _ = bf16_model
+    prompt = prompts([90], model.config.vocab_size, seed=3)[0]
+    whole = run(make_engine(model), [(0, "c", prompt, GREEDY)], monkeypatch)["c"]
+    chunked = run(make_engine(model, max_num_batched_tokens=16), [(0, "c", prompt, GREEDY)], monkeypatch)["c"]
+    capped = run(make_engine(model, max_prefill_chunk_tokens=7), [(0, "c", prompt, GREEDY)], monkeypatch)["c"]
+    assert chunked == whole
+    assert capped == whole
+
+
+def test_resumed_from_tokens_equals_undisturbed(bf16_model, monkeypatch):
+    """What a decode worker does when it takes over a stream: the prompt and the tokens so far
+    are recomputed as one prefill, then decoding goes on."""
+    model, _ = bf16_model
+    prompt = prompts([21], model.config.vocab_size, seed=4)[0]
+    for sampling in (GREEDY, SEEDED):
+        full = run(make_engine(model), [(0, "r", prompt, sampling)], monkeypatch)["r"]
+        cut = 6
+        resumed = run(make_engine(model), [(0, "r", prompt, sampling, full.tokens[:cut])], monkeypatch)["r"]
+        assert resumed.tokens == full.tokens
+        assert resumed.logits == full.logits[cut:]
+
+
+def test_mode_off_changes_logits(bf16_model, monkeypatch):
+    """Without the mode the cases above do change the logits (what makes them meaningful):
+    alone vs beside neighbours, and chunked vs not."""
+    model, _ = bf16_model
+    vocab = model.config.vocab_size
+    target = prompts([13], vocab, seed=2)[0]
+    alone = run(make_engine(model, invariant=False), [(0, "g", target, GREEDY)], monkeypatch)["g"]
+    others = [(0, f"d{i}", p, GREEDY) for i, p in enumerate(prompts([3, 8, 150], vocab, seed=5))]
+    beside = run(make_engine(model, invariant=False), [(0, "g", target, GREEDY), *others], monkeypatch)["g"]
+    assert beside.logits != alone.logits
+    prompt = prompts([90], vocab, seed=3)[0]
+    whole = run(make_engine(model, invariant=False), [(0, "c", prompt, GREEDY)], monkeypatch)["c"]
+    chunked = run(make_engine(model, invariant=False, max_num_batched_tokens=16), [(0, "c", prompt, GREEDY)],
+                  monkeypatch)["c"]
+    assert chunked.logits != whole.logits
+
+
+def test_quantized_weights_alone_and_beside_a_long_prefill(bf16_model, monkeypatch):
+    """GGUF-style 4-bit blocks (engine.quant.BlockLinear): a step of more than 64 rows used to
+    de-quantize and call a GEMM instead of the block kernel; the mode keeps the kernel."""
+    from engine.weights import quantize_float
+
+    model = copy.deepcopy(bf16_model[0])
+    assert quantize_float(model, "Q4_1")["int4"] > 0
+    vocab = model.config.vocab_size
+    target = prompts([13], vocab, seed=6)[0]
+    alone = run(make_engine(model), [(0, "g", target, GREEDY)], monkeypatch)["g"]
+    crowd = [(0, "g", target, GREEDY), (0, "long", prompts([150], vocab, seed=7)[0], GREEDY),
+             (3, "d", prompts([5], vocab, seed=8)[0], GREEDY)]
+    assert run(make_engine(model), crowd, monkeypatch)["g"] == alone
