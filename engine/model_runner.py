@@ -157,6 +157,9 @@ class ModelRunner:
             from engine.batch_invariant import apply
 
             apply(self)
+            # the fused step rounds between a layer's ops unlike the prefill path, so a token's KV
+            # would depend on whether it was decoded or re-prefilled (resume, recompute, mixed steps)
+            self.fused = None
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.grammar = None  # engine.grammar.GrammarBackend once a constrained request came
 

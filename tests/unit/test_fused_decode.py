@@ -73,9 +73,10 @@ def test_fused_step_matches_unfused_and_each_row_is_independent(tiny_model, qtyp
         assert torch.equal(cache.kv, kv_after_batch)
 
 
-def engine_of(model, fused: bool) -> LLMEngine:
+def engine_of(model, fused: bool, batch_invariant: bool = False) -> LLMEngine:
     engine = LLMEngine(model, EngineConfig(model_id="tiny", block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
-                                           num_kv_blocks=256, attention_backend="cpu"), eos_token_ids=eos_ids_of(model))
+                                           num_kv_blocks=256, attention_backend="cpu", batch_invariant=batch_invariant),
+                       eos_token_ids=eos_ids_of(model))
     if not fused:
         engine.runner.fused = None
     return engine
@@ -141,3 +142,11 @@ def test_int8_activation_vnni_kernel_error_and_row_independence():
     for row in range(7):
         alone = ext.q4_linear_vnni(x[row:row + 1], layer.codes, layer.scale, layer.minimum)
         assert torch.equal(alone[0], got[row]), row
+
+
+def test_batch_invariant_mode_runs_decode_unfused(tiny_model):
+    """The fused step rounds between ops unlike the prefill path; in the batch-invariant mode a
+    token's KV must not depend on whether it was decoded or re-prefilled, so the mode turns it off."""
+    base = quantized(tiny_model[0], "Q4_1")
+    assert engine_of(copy.deepcopy(base), fused=True).runner.fused is not None
+    assert engine_of(copy.deepcopy(base), fused=True, batch_invariant=True).runner.fused is None
