@@ -150,16 +150,16 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
         self.attention = kernels.select(self.device.type, attention_backend, kv_dtype)
-        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)  # None: steps run unfused
+        # None: steps run unfused. The batch-invariant mode goes without it: the fused step rounds
+        # between a layer's ops unlike the prefill path, so a token's KV would depend on whether it
+        # was decoded or re-prefilled (a resumed stream, a recompute, a mixed step)
+        self.fused = None if batch_invariant else fused_decode.build(model, kv_cache.dtype, self.device)
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
         if batch_invariant:
             from engine.batch_invariant import apply
 
             apply(self)
-            # the fused step rounds between a layer's ops unlike the prefill path, so a token's KV
-            # would depend on whether it was decoded or re-prefilled (resume, recompute, mixed steps)
-            self.fused = None
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.grammar = None  # engine.grammar.GrammarBackend once a constrained request came
 
