@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "exp_poly.h"
+
 #include "quant_block.h"
 
 namespace py = pybind11;
@@ -66,25 +68,6 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t H, f
   for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
 }
 
-// exp(x) written to vectorize: 2^(x log2 e) = 2^n 2^f, f in [-1/2, 1/2], 2^f by the Cephes
-// exp2f polynomial (Moshier 1989, relative error about 2e-7); x clamped to [-87, 88].
-inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 template <typename T>
 inline void store_row(const float* src, T* dst, int64_t n) {

@@ -24,30 +24,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp_poly.h"
+
 namespace {
-
-
-// exp(x) for the softmax, written so the compiler vectorizes it (std::exp does not):
-// 2^(x log2 e) = 2^n * 2^f with f in [-1/2, 1/2]; 2^f by a degree-6 polynomial (the Cephes
-// exp2f coefficients, Moshier 1989), relative error about 2e-7; 2^n by building the exponent
-// bits. Inputs here are x - max <= 0; below -87 the result is 0.
-inline float exp_approx(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // 8 float32 lanes (GCC/Clang vector extension: AVX/AVX2 registers on x86, two NEON registers
 // on Arm), for the loops the auto-vectorizer handles poorly: a dot product's single
@@ -129,7 +108,7 @@ inline void axpy_rows(const float* p, const float* v, int64_t stride, int64_t n,
   }
 }
 
-// exp(x) on 8 lanes, the same method as exp_approx; 2^n is built in the exponent bits, and
+// exp(x) on 8 lanes, the same method as exp_poly (exp_poly.h); 2^n is built in the exponent bits, and
 // n = round(x log2 e) comes from the float "magic number" rounding trick (adding 1.5 * 2^23
 // leaves the rounded integer in the low mantissa bits).
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -165,7 +144,7 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   }
   float sum = hsum(acc);
   for (; t < n; ++t) {
-    x[t] = exp_approx(x[t] - m);
+    x[t] = exp_poly(x[t] - m);
     sum += x[t];
   }
   return sum;

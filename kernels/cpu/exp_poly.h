@@ -1,0 +1,29 @@
+// exp(x) written so the compiler vectorizes it (std::exp does not): 2^(x log2 e) = 2^n * 2^f
+// with f in [-1/2, 1/2]; 2^f by a degree-6 polynomial (the Cephes exp2f coefficients, Moshier
+// 1989), relative error about 2e-7; 2^n by building the exponent bits; x clamped to [-87, 88]
+// (below -87 the result is about 0). Shared by the paged attention's softmax and the fused
+// decode step's SiLU.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
