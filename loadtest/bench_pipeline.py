@@ -154,6 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     base_name = next(iter(rows))
     pipe_name = list(rows)[-1]
     (bt, bi), (pt, pi) = med[base_name], med[pipe_name]
-    print(f"pipeline overhead vs '{base_name}': TTFT +{pt - bt:.1f} ms ({(pt - bt) / bt * 100:+.1f}%), "
-          f"ITL +{pi - bi:.2f} ms ({(pi - bi) / bi * 100:+.1f}%)")
+    print(f"pipeline overhead vs '{base_name}': TTFT {pt - bt:+.1f} ms ({(pt - bt) / bt * 100:+.1f}%), "
+          f"ITL {pi - bi:+.2f} ms ({(pi - bi) / bi * 100:+.1f}%)")
     return 0

@@ -18,7 +18,7 @@ from loadtest.sim.trace import repeat
 
 def table(rows: dict[str, dict]) -> str:
     """Markdown table of simulated summaries (milliseconds)."""
-    out = ["| topology | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | TPOT p90 | goodput req/s | sim req/wall-s |",
+    out = ["| topology | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | TPOT p90 ms | goodput req/s | sim req/wall-s |",
            "|---|---|---|---|---|---|---|---|---|"]
     for name, s in rows.items():
         out.append(f"| {name} | {s['ttft']['p50'] * 1e3:.0f} | {s['ttft']['p90'] * 1e3:.0f} | {s['itl']['p50'] * 1e3:.1f} | "
@@ -69,4 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s['requests']} requests, {s['sim_seconds']:.0f} simulated s in {s['wall_seconds']:.1f} wall s "
               f"({s['cpu_seconds']:.1f} CPU s: {s['sim_requests_per_cpu_s']:.0f} requests per CPU second); "
               f"utilization {', '.join(f'{k} {v:.2f}' for k, v in s['utilization'].items())}")
+        if s["ttft"]["p50"] > 10 * args.slo_ttft:
+            print(f"overloaded: median TTFT {s['ttft']['p50']:.0f} s is over 10x the TTFT SLO ({args.slo_ttft} s): "
+                  "this topology cannot keep up with the offered rate and its queues grow for the whole run; "
+                  "try a lower --rate, more workers, or `pdserve plan`")
     return 0
