@@ -32,6 +32,7 @@ import llguidance
 import torch
 
 from shared.errors import InvalidRequest
+from shared.logging import get_logger
 
 #: Rows from which one parallel executor call beats a call per row (a per-step mask costs
 #: ~10-50 us a row for a JSON schema on a 49k vocabulary).
@@ -198,7 +199,10 @@ def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
     EOS may follow), or the matcher failed (which ends the sequence rather than let it run on
     unconstrained)."""
     matcher.consume_token(token_id)
-    return matcher.is_stopped() or matcher.is_error()
+    if matcher.is_error():
+        get_logger(__name__).error("grammar_matcher_failed", error=matcher.get_error()[:300])
+        return True
+    return matcher.is_stopped()
 
 
 class LazyGrammar:

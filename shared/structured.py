@@ -47,6 +47,36 @@ def _grammar(schema_json: str, param: str) -> str:
     return grammar
 
 
+#: most entries in one object's ``properties``, one ``enum`` or one ``anyOf``/``oneOf``: llguidance's
+#: Earley parser allows 2,000 items in a row, about four per property (measured: 100 properties
+#: work, 500 end the output after "{"), so larger schemas are refused up front
+MAX_SCHEMA_ENTRIES = 256
+INT64 = (-(1 << 63), (1 << 63) - 1)  # llguidance clamps integer bounds to int64
+
+
+def _check_limits(node, param: str) -> None:
+    """Refuse schema parts the grammar engine cannot enforce (400 naming ``param``)."""
+    if isinstance(node, list):
+        for item in node:
+            _check_limits(item, param)
+        return
+    if not isinstance(node, dict):
+        return
+    for key in ("properties", "enum", "anyOf", "oneOf"):
+        entries = node.get(key)
+        if isinstance(entries, (dict, list)) and len(entries) > MAX_SCHEMA_ENTRIES:
+            raise InvalidRequest(f"invalid JSON schema in '{param}': '{key}' has {len(entries)} entries; at most "
+                                 f"{MAX_SCHEMA_ENTRIES} are supported", param=param)
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            bound = node.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not INT64[0] <= bound <= INT64[1]:
+                raise InvalidRequest(f"invalid JSON schema in '{param}': integer '{key}' {bound} is outside the "
+                                     "64-bit range", param=param)
+    for value in node.values():
+        _check_limits(value, param)
+
+
 def schema_grammar(schema: dict, param: str) -> str:
     """The grammar of JSON valid for ``schema``.
 
@@ -55,6 +85,7 @@ def schema_grammar(schema: dict, param: str) -> str:
     """
     if not isinstance(schema, dict):
         raise InvalidRequest(f"invalid JSON schema in '{param}': a schema is an object", param=param)
+    _check_limits(schema, param)
     try:
         text = json.dumps(schema)  # key order kept: properties are generated in the order given
     except (TypeError, ValueError) as exc:
@@ -76,7 +107,10 @@ def response_format_grammar(response_format: dict | None) -> str | None:
     if kind == "json_object":
         return schema_grammar(ANY_OBJECT, "response_format")
     if kind == "json_schema":
-        spec = response_format.get("json_schema") or {}
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequest("response_format of type json_schema needs a 'json_schema' object "
+                                 "({\"name\": ..., \"schema\": {...}})", param="response_format")
         schema = spec.get("schema")
         return schema_grammar(ANY_OBJECT if schema is None else schema, "response_format")
     raise InvalidRequest(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
@@ -113,7 +147,11 @@ def check_tools(tools: list[dict]) -> None:
         InvalidRequest: an invalid parameters schema (param ``tools``).
     """
     for tool in tools:
-        schema_grammar(tool["function"].get("parameters") or ANY_OBJECT, "tools")
+        parameters = tool["function"].get("parameters") or ANY_OBJECT
+        if isinstance(parameters, dict) and parameters.get("type", "object") != "object":
+            raise InvalidRequest(f"tool {tool['function'].get('name')!r}: 'parameters' must be a JSON schema of "
+                                 f"type object, not {parameters.get('type')!r}", param="tools")
+        schema_grammar(parameters, "tools")
 
 
 def tool_grammar(tools: list[dict], choice: str | None, parallel: bool) -> str | None:

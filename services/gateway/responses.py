@@ -85,6 +85,8 @@ class Responses:
         self.include_usage = bool(getattr(req, "stream_options", None) and req.stream_options.include_usage)
         self.continuous_usage = bool(getattr(req, "stream_options", None) and req.stream_options.continuous_usage_stats)
         self.want_logprobs = bool(req.logprobs) if endpoint == "chat" else req.logprobs is not None
+        # completions with echo and max_tokens 0: the prompt alone (prefill samples one token anyway)
+        self.zero_output = endpoint != "chat" and bool(getattr(req, "echo", False)) and req.max_tokens == 0
 
     # --- whole responses ----------------------------------------------------------------
     def complete(self, choices: list[Choice]) -> dict:
@@ -106,7 +108,7 @@ class Responses:
                 pe = self.prompt_echo
                 items.append({
                     "index": c.index,
-                    "text": echo + ("" if pe and pe.zero_output else "".join(c.text)),
+                    "text": echo + ("" if self.zero_output else "".join(c.text)),
                     "logprobs": pe.logprobs(c.prompt_index, c.prompt_logprobs, c.logprobs) if pe else
                     completion_logprobs(c.logprobs, len(echo)) if self.want_logprobs else None,
                     "finish_reason": c.finish_reason,
@@ -117,7 +119,7 @@ class Responses:
 
     def _usage(self, choices: list[Choice]) -> dict:
         usage = usage_of(choices)
-        if self.prompt_echo is not None and self.prompt_echo.zero_output:  # max_tokens 0: nothing generated
+        if self.zero_output:  # max_tokens 0: nothing generated
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
         return usage
 
@@ -151,9 +153,9 @@ class Responses:
             logprobs = completion_logprobs(d.logprobs, echo + start) if self.want_logprobs and d.logprobs else None
             if pe is not None and d.prompt_logprobs is not None:
                 logprobs = pe.logprobs(d.choice.prompt_index, d.prompt_logprobs, d.logprobs)
-            elif pe is not None and pe.zero_output:
+            elif self.zero_output:
                 logprobs = None
-            item = {"index": d.choice.index, "text": "" if pe and pe.zero_output else d.text,
+            item = {"index": d.choice.index, "text": "" if self.zero_output else d.text,
                     "logprobs": logprobs, "finish_reason": d.finish_reason}
         return self._chunk([item], self._usage(choices) if self.continuous_usage else None)
 

@@ -71,6 +71,10 @@ def test_max_tokens_zero_and_token_id_batches(client, tiny_model):
     assert resp["usage"]["completion_tokens"] == 0
     assert resp["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
     error_of(client.post("/v1/completions", json={**body, "echo": False}), 400)
+    # echo without logprobs: the prompt alone too, nothing generated
+    plain = client.post("/v1/completions", json={k: v for k, v in body.items() if k != "logprobs"}).json()
+    assert [c["text"] for c in sorted(plain["choices"], key=lambda c: c["index"])] == [tok.decode(p) for p in prompts]
+    assert plain["usage"]["completion_tokens"] == 0
 
 
 def test_echo_logprobs_streamed(client, tiny_model):

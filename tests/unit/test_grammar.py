@@ -108,11 +108,28 @@ def test_required_tool_call_grammar_and_ignore_eos(engine, tiny_model):
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"a": {"$ref": "#/nowhere"}}}}},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": []}},
     {"type": "grammar"},
+    {"type": "json_schema"},  # no json_schema object
+    # more properties than the grammar engine can enforce (it ended the output after "{")
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(300)}}}},
+    # an integer bound outside int64 (the grammar engine clamped it and broke the schema)
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 10 ** 30}}},
 ])
 def test_invalid_response_formats_name_the_parameter(fmt):
     with pytest.raises(InvalidRequest) as info:
         response_format_grammar(fmt)
     assert info.value.param == "response_format"
+
+
+def test_a_schema_at_the_entry_limit_compiles_and_a_tool_needs_object_parameters():
+    from shared.structured import MAX_SCHEMA_ENTRIES, check_tools
+
+    wide = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(MAX_SCHEMA_ENTRIES)}}
+    assert schema_grammar(wide, "response_format")
+    with pytest.raises(InvalidRequest) as info:
+        check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
+    assert info.value.param == "tools"
+    check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 
 
 def test_grammar_cache_compiles_each_schema_once(engine):
