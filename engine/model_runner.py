@@ -132,6 +132,21 @@ class StepResult:
     sampled: list[ScheduledSeq]
 
 
+def float_logits_from_quantized_head(model: torch.nn.Module) -> None:
+    """Make a quantized LM head (``engine.quant.BlockLinear``) take float32 input, so the logits
+    come out in float32 (its kernel accumulates in float32 anyway; the fused decode step already
+    feeds it float32). bfloat16 logits are rounded to 1/8 near 20: greedy choices tie, and the
+    README's example ("What is the capital of France?") answered "L'Étoile, la Marseillaise"
+    instead of "The capital of France is Paris".
+    """
+    from engine.quant import BlockLinear
+
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, BlockLinear) and not getattr(head, "float_logits", False):
+        head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+        head.float_logits = True
+
+
 class ModelRunner:
     """Owns the model and the KV pool; runs scheduled batches.
 
@@ -154,6 +169,7 @@ class ModelRunner:
         # between a layer's ops unlike the prefill path, so a token's KV would depend on whether it
         # was decoded or re-prefilled (a resumed stream, a recompute, a mixed step)
         self.fused = None if batch_invariant else fused_decode.build(model, kv_cache.dtype, self.device)
+        float_logits_from_quantized_head(model)
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
         if batch_invariant:

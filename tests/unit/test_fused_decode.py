@@ -150,3 +150,18 @@ def test_batch_invariant_mode_runs_decode_unfused(tiny_model):
     base = quantized(tiny_model[0], "Q4_1")
     assert engine_of(copy.deepcopy(base), fused=True).runner.fused is not None
     assert engine_of(copy.deepcopy(base), fused=True, batch_invariant=True).runner.fused is None
+
+
+def test_a_quantized_head_gives_float32_logits_in_a_bfloat16_model(tiny_model):
+    """bfloat16 logits round to 1/8 near 20 and tie greedy choices; the quantized head takes
+    float32 input once an engine is built, whatever the mode (the fused step fed it float32 already)."""
+    from engine.model_runner import float_logits_from_quantized_head
+
+    model = copy.deepcopy(tiny_model[0]).to(torch.bfloat16)
+    quantize_float(model, "Q4_1")  # as the engine does: quantized after the cast (scales stay float32)
+    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    assert model.lm_head(x).dtype == torch.bfloat16
+    float_logits_from_quantized_head(model)
+    logits = model.lm_head(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, model.lm_head(x.float()))
