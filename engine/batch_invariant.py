@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.quant import KERNEL_MAX_ROWS, BlockLinear, _kernel
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -43,8 +44,8 @@ log = get_logger(__name__)
 #: Rows of every float linear call in this mode (inputs are split and the last chunk padded).
 #: 32 keeps a 512-token prefill at 16 calls of a size GEMM libraries run efficiently.
 LINEAR_ROWS = 32
-#: Most rows of one quantized-kernel call (the kernel's limit is 64).
-QUANT_ROWS = 64
+#: Most rows of one quantized-kernel call (the kernel's own limit).
+QUANT_ROWS = KERNEL_MAX_ROWS
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -68,8 +69,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _route_linears(model: torch.nn.Module) -> int:
-    from engine.quant import BlockLinear
-
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -85,17 +84,12 @@ def _route_linears(model: torch.nn.Module) -> int:
 def _quant_forward(layer, x: torch.Tensor) -> torch.Tensor:
     """A BlockLinear through its kernel in chunks of at most :data:`QUANT_ROWS` rows (the
     kernel's per-row code is the same for any row count)."""
-    from engine.quant import _kernel
-
     ext = _kernel()
     flat = x.reshape(-1, layer.in_features).float()
     if ext is None:  # no kernel: de-quantized GEMM in fixed-size calls
         out = invariant_linear(flat, layer.dequantized(), layer.bias)
     else:
-        kernel = ext.q4_linear if layer.bits == 4 else ext.q8_linear
-        out = torch.cat([kernel(c, layer.codes, layer.scale, layer.minimum) for c in flat.split(QUANT_ROWS)])
-        if layer.bias is not None:
-            out = out + layer.bias
+        out = torch.cat([layer.kernel_rows(c, ext) for c in flat.split(QUANT_ROWS)])
     return out.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
 

@@ -104,14 +104,19 @@ class BlockLinear(torch.nn.Module):
             w = self.codes.reshape(self.out_features, -1, GROUP).float() * self.scale[..., None]
         return w.reshape(self.out_features, self.in_features)
 
+    def kernel_rows(self, flat: torch.Tensor, ext) -> torch.Tensor:
+        """float32 ``[m, in]`` (``m`` ≤ :data:`KERNEL_MAX_ROWS`, CPU) through the block kernel of
+        the built extension ``ext``: float32 ``[m, out]``, bias added. Each row's result is the
+        same whatever the other rows."""
+        kernel = ext.q4_linear if self.bits == 4 else ext.q8_linear
+        out = kernel(flat, self.codes, self.scale, self.minimum)
+        return out + self.bias if self.bias is not None else out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         ext = _kernel()
         if ext is not None and flat.shape[0] <= KERNEL_MAX_ROWS and x.device.type == "cpu":
-            kernel = ext.q4_linear if self.bits == 4 else ext.q8_linear
-            out = kernel(flat, self.codes, self.scale, self.minimum)
-            if self.bias is not None:
-                out = out + self.bias
+            out = self.kernel_rows(flat, ext)
         else:
             out = torch.nn.functional.linear(flat, self.dequantized(), self.bias)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -119,11 +119,12 @@ def sample(logits: torch.Tensor, rows: Seq[SamplingRow], masks=None) -> tuple[li
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    if masks is not None:
+    owned = masks is not None  # logits is a copy of our own from here on
+    if owned:
         logits = logits.clone()
         masks.apply(logits)
     if any(_needs_processing(r.params) for r in rows):
-        logits = apply_penalties(logits.clone(), rows)
+        logits = apply_penalties(logits if owned else logits.clone(), rows)
 
     token_ids = logits.argmax(dim=-1).tolist()  # greedy rows are done; others are redrawn
     for i, row in enumerate(rows):
