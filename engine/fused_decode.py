@@ -11,7 +11,9 @@ layer, each a dispatch from Python). The embedding lookup, the rotary cos/sin (t
 ``rotary_emb``, so its RoPE scaling applies), the final norm and the LM head stay as they are.
 
 The stacked Q/K/V and gate/up blocks are built once; the original layers' buffers become views
-of them, so the weights are held once (prefill still runs the unfused layers).
+of them, so the weights are held once. Prefill runs the unfused layers, except in the
+batch-invariant mode (``PD_BATCH_INVARIANT``), where every step runs here
+(:meth:`FusedDecode.step_logits`): one per-row path for decoded and prefilled tokens alike.
 
 Rows are independent: a token's hidden state, logits and KV entries are bit-identical whether
 it is alone in the step or in a batch (see the kernel's header comment and
@@ -105,12 +107,29 @@ class FusedDecode:
         """The final hidden states (after the last norm) of a decode-only step: ids, pos
         ``[M]`` int64; ``meta`` an :class:`engine.model_runner.AttentionMetadata` with every
         token a decode query. Returns float32 ``[M, hidden]``; writes the KV cache."""
+        return self.hidden_rows(ids, pos, meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping,
+                                meta.kv_cache, meta.attention)
+
+    def hidden_rows(self, ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                    slots: torch.Tensor, cache, attention) -> torch.Tensor:
+        """The final hidden states of ``M <= MAX_ROWS`` tokens, each one query over its own
+        context in the KV cache.
+
+        Args:
+            ids, pos, slots: ``[M]`` int64 token ids, positions and KV cache slots.
+            tables: ``[M, max_blocks]`` int64, the block table of each token's sequence.
+            lens: ``[M]`` int64, each token's context length including itself (``pos + 1``).
+            cache: the :class:`engine.kv_cache.PagedKVCache`; attention: the kernels module.
+
+        Returns:
+            float32 ``[M, hidden]``. Writes the tokens' keys and values to their slots in every
+            layer before that layer's attention, so tokens of one sequence in the same call
+            see each other.
+        """
         inner = self.model.model
         x = inner.embed_tokens(ids).float().contiguous()
         cos, sin = inner.rotary_emb(x.unsqueeze(0), pos.unsqueeze(0))
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        attention, cache = meta.attention, meta.kv_cache
-        tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(i)
             q = layer.attn_in(x, cos, sin, k_cache, v_cache, slots)
@@ -120,11 +139,49 @@ class FusedDecode:
 
     def logits(self, ids: torch.Tensor, pos: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[len(keep), vocab]`` of the rows ``keep`` of a decode-only step."""
-        h = self.hidden(ids, pos, meta)[keep]
+        return self._head(self.hidden(ids, pos, meta)[keep])
+
+    def step_logits(self, ids: torch.Tensor, pos: torch.Tensor, meta, keep: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[len(keep), vocab]`` of the rows ``keep`` of any step: decode
+        queries, prefill chunks (with or without a cached prefix) or both.
+
+        Every token is one query over its own context (positions ``0..pos``), and the step runs
+        as consecutive calls of at most :data:`MAX_ROWS` tokens in packed order (a sequence's
+        earlier tokens are written to the KV cache before its later ones attend to them). Each
+        token is thus computed by the same per-row code whether it is decoded, prefilled,
+        re-prefilled after a worker's death or found beside any other tokens: the
+        batch-invariant mode's one path (:mod:`engine.batch_invariant`). Writes the KV cache
+        of every token, also when ``keep`` is empty.
+        """
+        tables, lens = token_tables(meta)
+        hidden = [self.hidden_rows(ids[s:s + MAX_ROWS], pos[s:s + MAX_ROWS], tables[s:s + MAX_ROWS],
+                                   lens[s:s + MAX_ROWS], meta.slot_mapping[s:s + MAX_ROWS], meta.kv_cache,
+                                   meta.attention)
+                  for s in range(0, ids.shape[0], MAX_ROWS)]
+        return self._head(torch.cat(hidden)[keep])
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
         if not isinstance(head, BlockLinear):
             h = h.to(head.weight.dtype)
         return head(h).float()
+
+
+def token_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token block tables ``[T, max_blocks]`` and context lengths ``[T]`` (int64) of a
+    step's packed tokens: a decode token's own row, and for the ``i``-th query of a prefill
+    chunk its sequence's table and ``context_len - query_len + i + 1``."""
+    tables, lens = [], []
+    if meta.num_decode_tokens:
+        tables.append(meta.decode_block_tables)
+        lens.append(meta.decode_context_lens)
+    for seg in meta.prefills:
+        tables.append(seg.block_table.unsqueeze(0).expand(seg.query_len, -1))
+        first = seg.context_len - seg.query_len + 1
+        lens.append(torch.arange(first, first + seg.query_len, dtype=torch.long, device=seg.block_table.device))
+    width = max(t.shape[1] for t in tables)
+    tables = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]
+    return torch.cat(tables).contiguous(), torch.cat(lens)
 
 
 def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device) -> FusedDecode | None:

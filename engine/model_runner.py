@@ -165,10 +165,11 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
         self.attention = kernels.select(self.device.type, attention_backend, kv_dtype)
-        # None: steps run unfused. The batch-invariant mode goes without it: the fused step rounds
-        # between a layer's ops unlike the prefill path, so a token's KV would depend on whether it
-        # was decoded or re-prefilled (a resumed stream, a recompute, a mixed step)
-        self.fused = None if batch_invariant else fused_decode.build(model, kv_cache.dtype, self.device)
+        # None: steps run unfused. With it, decode-only steps run fused; in the batch-invariant mode
+        # every step does (prefill too), so a token's KV and logits come from one per-row path
+        # whether it was decoded, prefilled or re-prefilled (a resumed stream, a recompute)
+        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)
+        self.fused_all = batch_invariant and self.fused is not None
         float_logits_from_quantized_head(model)
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
@@ -268,9 +269,11 @@ class ModelRunner:
         if self.graphs is not None and not meta.prefills and sampled:
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
             logits = logits[keep] if logits is not None else None
-        if logits is None and sampled and fused_decode.applies(self.fused, meta, ids.shape[0]):
+        if logits is None and self.fused_all:
+            logits = self.fused.step_logits(ids, pos, meta, keep)
+        elif logits is None and sampled and fused_decode.applies(self.fused, meta, ids.shape[0]):
             logits = self.fused.logits(ids, pos, meta, keep)
-        if logits is None:
+        elif logits is None:
             out = self.model(
                 input_ids=ids.unsqueeze(0),
                 position_ids=pos.unsqueeze(0),
@@ -278,12 +281,12 @@ class ModelRunner:
                 logits_to_keep=keep if keep.numel() else torch.tensor([0], device=self.device),
                 pd_attn=meta,
             )
-            logits = out.logits[0]  # [num_sampled + len(extra), vocab]
-            if extra:
-                prompt_rows.apply(logits[len(sampled):])
-                logits = logits[: len(sampled)]
-            if not sampled:
-                return StepResult([], [], [])
+            logits = out.logits[0]  # [num_sampled + len(extra), vocab] (one row when keep is empty)
+        if extra:
+            prompt_rows.apply(logits[len(sampled):])
+        if not sampled:
+            return StepResult([], [], [])
+        logits = logits[: len(sampled)]
         rows = [SamplingRow(it.seq.sampling, it.seq.prompt_token_ids, it.seq.output_token_ids) for it in sampled]
         token_ids, logprobs = sample(logits, rows, masks)
         return StepResult(token_ids, logprobs, sampled)

@@ -141,9 +141,10 @@ class PipelineClient:
     @property
     def required_stages(self) -> tuple[str, ...]:
         """The stages requests need: the pluggable pre-stages, then the pipeline (aggregated
-        serving has no prefill workers)."""
+        serving has no prefill workers; conditional routing prefills on the decode worker when
+        no prefill worker is alive)."""
         stages = tuple(f"stage-{n}" for n in self.protocol.pre_stages) + PIPELINE_STAGES
-        if self.settings.routing == "aggregated":
+        if self.settings.routing in ("aggregated", "conditional"):
             return tuple(s for s in stages if s != "prefill")
         return stages
 

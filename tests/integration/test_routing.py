@@ -18,11 +18,15 @@ SHORT = "Hello there"
 LONG = "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 " * 6
 
 
-def test_aggregated_serving_needs_no_prefill_worker(tmp_path, tiny_model_dir, tiny_model, nats_url):
+@pytest.mark.parametrize("routing", ["aggregated", "conditional"])
+def test_serving_needs_no_prefill_worker(tmp_path, tiny_model_dir, tiny_model, nats_url, routing):
+    """Aggregated serving, and conditional routing with every prefill worker gone (the router
+    then prefills on the decode worker; the gateway used to answer 503 "no live worker")."""
     ns = f"t{uuid.uuid4().hex[:10]}"
-    with deployment(tmp_path, str(tiny_model_dir), ns, replicas={"prefill": 0}, routing="aggregated",
-                    block_size=4) as dep, httpx.Client(base_url=dep.url, timeout=60) as client:
+    with deployment(tmp_path, str(tiny_model_dir), ns, replicas={"prefill": 0}, routing=routing,
+                    block_size=4, router_local_max_tokens=4) as dep, httpx.Client(base_url=dep.url, timeout=60) as client:
         assert not any(h.stage == "prefill" for h in heartbeats(dep.settings).values())
+        assert client.get("/health/ready").status_code == 200
         for content in (SHORT, LONG):
             expected, _, n_prompt = reference_text(tiny_model, content, 12)
             body = client.post("/v1/chat/completions", json=chat_body(content, max_tokens=12)).json()

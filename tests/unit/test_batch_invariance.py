@@ -15,24 +15,31 @@ import pytest
 import torch
 
 import engine.model_runner as model_runner
+from engine import fused_decode
 from engine.batch_invariant import invariant_linear
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.quant import BlockLinear
 from shared.messages import SamplingParams
 
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def bf16_model(tiny_model_dir):
+@pytest.fixture(scope="module", params=["float", "Q4_1"])
+def bf16_model(request, tiny_model_dir):
+    """The tiny model in bfloat16 with float weights (the mode's unfused path) and with GGUF-style
+    Q4_1 blocks (the default model's storage: every step through the fused per-row path)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
+    from engine.weights import quantize_float
 
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
+    if request.param != "float":
+        assert quantize_float(model, request.param)["int4"] > 0
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -40,7 +47,11 @@ def make_engine(model, invariant=True, **overrides) -> LLMEngine:
     cfg = dict(model_id="tiny", block_size=4, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=512,
                attention_backend="auto", batch_invariant=invariant)
     cfg.update(overrides)
-    return LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=())
+    engine = LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=())
+    quantized = any(isinstance(m, BlockLinear) for m in model.modules())
+    if invariant and quantized and fused_decode.kernel_available():
+        assert engine.runner.fused_all  # the case under test is the fused per-row path
+    return engine
 
 
 @dataclass
@@ -186,6 +197,15 @@ def test_mode_off_changes_logits(bf16_model, monkeypatch):
     alone vs beside neighbours, and chunked vs not."""
     model, _ = bf16_model
     vocab = model.config.vocab_size
+    if any(isinstance(m, BlockLinear) for m in model.modules()):
+        # quantized: the block kernel is per row already; what differs is a decoded token
+        # (fused step, float32 throughout) against the same token re-prefilled (unfused layers)
+        prompt = prompts([21], vocab, seed=4)[0]
+        full = run(make_engine(model, invariant=False), [(0, "r", prompt, GREEDY)], monkeypatch)["r"]
+        resumed = run(make_engine(model, invariant=False), [(0, "r", prompt, GREEDY, full.tokens[:6])],
+                      monkeypatch)["r"]
+        assert resumed.logits[0] != full.logits[6]
+        return
     target = prompts([13], vocab, seed=2)[0]
     alone = run(make_engine(model, invariant=False), [(0, "g", target, GREEDY)], monkeypatch)["g"]
     others = [(0, f"d{i}", p, GREEDY) for i, p in enumerate(prompts([3, 8, 150], vocab, seed=5))]
@@ -196,18 +216,3 @@ def test_mode_off_changes_logits(bf16_model, monkeypatch):
     chunked = run(make_engine(model, invariant=False, max_num_batched_tokens=16), [(0, "c", prompt, GREEDY)],
                   monkeypatch)["c"]
     assert chunked.logits != whole.logits
-
-
-def test_quantized_weights_alone_and_beside_a_long_prefill(bf16_model, monkeypatch):
-    """GGUF-style 4-bit blocks (engine.quant.BlockLinear): a step of more than 64 rows used to
-    de-quantize and call a GEMM instead of the block kernel; the mode keeps the kernel."""
-    from engine.weights import quantize_float
-
-    model = copy.deepcopy(bf16_model[0])
-    assert quantize_float(model, "Q4_1")["int4"] > 0
-    vocab = model.config.vocab_size
-    target = prompts([13], vocab, seed=6)[0]
-    alone = run(make_engine(model), [(0, "g", target, GREEDY)], monkeypatch)["g"]
-    crowd = [(0, "g", target, GREEDY), (0, "long", prompts([150], vocab, seed=7)[0], GREEDY),
-             (3, "d", prompts([5], vocab, seed=8)[0], GREEDY)]
-    assert run(make_engine(model), crowd, monkeypatch)["g"] == alone

@@ -144,12 +144,22 @@ def test_int8_activation_vnni_kernel_error_and_row_independence():
         assert torch.equal(alone[0], got[row]), row
 
 
-def test_batch_invariant_mode_runs_decode_unfused(tiny_model):
-    """The fused step rounds between ops unlike the prefill path; in the batch-invariant mode a
-    token's KV must not depend on whether it was decoded or re-prefilled, so the mode turns it off."""
+def test_batch_invariant_mode_runs_every_step_fused(tiny_model):
+    """In the batch-invariant mode prefill chunks run through the fused per-row path too (so a
+    token's KV is the same decoded or re-prefilled), in calls of at most MAX_ROWS tokens; the
+    tokens equal the unfused invariant path's in float32 (same kernels, float32 rounding only)."""
     base = quantized(tiny_model[0], "Q4_1")
-    assert engine_of(copy.deepcopy(base), fused=True).runner.fused is not None
-    assert engine_of(copy.deepcopy(base), fused=True, batch_invariant=True).runner.fused is None
+    engine = engine_of(copy.deepcopy(base), fused=True, batch_invariant=True)
+    assert engine.runner.fused_all and not engine_of(copy.deepcopy(base), fused=True).runner.fused_all
+    rows = []
+    hidden_rows = engine.runner.fused.hidden_rows
+    engine.runner.fused.hidden_rows = lambda ids, *a: rows.append(ids.shape[0]) or hidden_rows(ids, *a)
+    vocab = base.config.vocab_size
+    fused_tokens = generate(engine, vocab)
+    assert max(rows) == 62 and 5 in rows  # the five prompts (62 tokens) in one call, then decodes
+    unfused = engine_of(copy.deepcopy(base), fused=False, batch_invariant=True)
+    unfused.runner.fused_all = False
+    assert fused_tokens == generate(unfused, vocab)
 
 
 def test_a_quantized_head_gives_float32_logits_in_a_bfloat16_model(tiny_model):
