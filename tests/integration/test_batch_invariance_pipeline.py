@@ -94,23 +94,30 @@ def routes(dep, target: str) -> float:
 def test_same_request_same_tokens_through_the_pipeline(tmp_path, tiny_model_dir, nats_url):
     ns = f"t{uuid.uuid4().hex[:10]}"
     with deployment(tmp_path, str(tiny_model_dir), ns, replicas={"decode": 2}, dtype="auto", block_size=4,
-                    routing="disaggregated", ack_wait_s=2.0, stall_timeout_s=30.0) as dep, \
-            httpx.Client(base_url=dep.url, timeout=120) as client:
+                    routing="disaggregated", ack_wait_s=2.0, stall_timeout_s=30.0) as dep:
+        same_request_same_tokens(dep, "tiny-llama")
+
+
+def same_request_same_tokens(dep, model: str) -> None:
+    """The module's cases on a started deployment (one prefill and two decode workers,
+    disaggregated) serving ``model``."""
+    seeded_body, chat_body, long_body = ({**body, "model": model} for body in (SEEDED, CHAT, LONG))
+    with httpx.Client(base_url=dep.url, timeout=300) as client:
         assert dep.settings.batch_invariant
         # --- the seeded example: alone (twice: the second hits the prefix cache), then in a crowd
-        seeded = complete(client, SEEDED)
-        assert seeded and complete(client, SEEDED) == seeded
-        unseeded = {k: v for k, v in SEEDED.items() if k != "seed"}
+        seeded = complete(client, seeded_body)
+        assert seeded and complete(client, seeded_body) == seeded
+        unseeded = {k: v for k, v in seeded_body.items() if k != "seed"}
         with ThreadPoolExecutor(6) as pool:
-            crowd = [pool.submit(complete, client, SEEDED if i == 2 else unseeded) for i in range(6)]
+            crowd = [pool.submit(complete, client, seeded_body if i == 2 else unseeded) for i in range(6)]
             texts = [f.result() for f in crowd]
         assert texts[2] == seeded
         assert len(set(texts)) > 1  # the neighbours did sample differently
         # --- temperature 0, streamed and not, the prompt from the prefix cache after the first
-        greedy = chat(client, CHAT, stream=False)
-        assert [chat(client, CHAT, stream=s) for s in (True, False, True)] == [greedy] * 3
+        greedy = chat(client, chat_body, stream=False)
+        assert [chat(client, chat_body, stream=s) for s in (True, False, True)] == [greedy] * 3
         # --- the undisturbed long stream, then the same with its decode worker killed mid-stream
-        undisturbed = stream_completion(client, LONG)
+        undisturbed = stream_completion(client, long_body)
         decoders = {h.instance_id.rsplit("-", 1)[0]: h.metrics_port
                     for h in heartbeats(dep.settings).values() if h.stage == "decode"}
         assert sorted(decoders) == ["decode-0", "decode-1"]
@@ -124,7 +131,7 @@ def test_same_request_same_tokens_through_the_pipeline(tmp_path, tiny_model_dir,
                 os.kill(victim.popen.pid, signal.SIGKILL)
                 killed.append(victim)
 
-        resumed = stream_completion(client, LONG, on_chunk=kill_the_one_decoding)
+        resumed = stream_completion(client, long_body, on_chunk=kill_the_one_decoding)
         assert killed and killed[0].popen.wait(10) == -signal.SIGKILL
         assert resumed == undisturbed
         # --- aggregated: the tokenizer restarted with PD_ROUTING=aggregated sends every prompt to
@@ -139,6 +146,6 @@ def test_same_request_same_tokens_through_the_pipeline(tmp_path, tiny_model_dir,
         while not any(h.stage == "tokenizer" and h.ready and h.instance_id.startswith("tokenizer-0-")
                       and routes_of(h, "local") == 0 for h in heartbeats(dep.settings).values()):
             assert time.monotonic() < deadline and dep.procs[i].popen.poll() is None, "tokenizer did not restart"
-        assert complete(client, SEEDED) == seeded
-        assert chat(client, CHAT, stream=True) == greedy
+        assert complete(client, seeded_body) == seeded
+        assert chat(client, chat_body, stream=True) == greedy
         assert routes(dep, "local") == 2 and routes(dep, "remote") == 0
