@@ -8,12 +8,12 @@
 //
 // ISA: chosen at build time from the compiler's target flags (the extensions are built with
 // -march=native on the machine that runs them, keyed on its CPU flags): AVX-512 (F + BW) when
-// defined, else AVX2 + FMA. Both widen a group's codes to float32 in registers once and
-// multiply it with up to four rows of x, streaming each weight byte once per call.
+// defined, else AVX2 + FMA. See block_rows for the two ways a call runs (few rows: widen in
+// registers; more: widen four weight rows once into an L1 buffer, then 4 x 4 register tiles).
 //
-// Row independence: every row of x is reduced by the same instruction sequence whatever the
-// number of rows in the call (rows are handled in fours with separate accumulators, and the
-// reduction never splits K by the row count), so a row's result is bit-identical alone or
+// Row independence: every (row of x, weight row) pair is reduced by the same instruction
+// sequence whatever the number of rows in the call or the path taken (one accumulator vector
+// over K in order, then one horizontal sum), so a row's result is bit-identical alone or
 // inside a batch. The batch-invariance work (issue 13) relies on this.
 #pragma once
 
@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace pdq {
 
@@ -63,74 +65,156 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// R rows of x (row stride K) against one weight row: out[r * ldo] for r < R.
-template <bool Q4, int R>
-inline void dot_rows(const float* x, const uint8_t* codes, const float* d, const float* m, int64_t K,
-                     int64_t ldo, float* out) {
-  constexpr int64_t bytes = Q4 ? G / 2 : G;
+// One vector of float32 lanes: 16 (AVX-512) or 8 (AVX2).
 #ifdef PDQ_AVX512
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < K / G; ++g) {
-    const __m512 vd = _mm512_set1_ps(d[g]);
-    __m512 w0, w1;
-    if constexpr (Q4) {
-      const __m512 vm = _mm512_set1_ps(m[g]);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * bytes));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m128i lo = _mm_and_si128(raw, mask);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, vm);
-      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, vm);
-    } else {
-      const uint8_t* c = codes + g * bytes;
-      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))), vd);
-      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)))), vd);
-    }
-    const float* xg = x + g * G;
-    for (int r = 0; r < R; ++r) {
-      const float* xr = xg + r * K;
-      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+using vf = __m512;
+constexpr int64_t L = 16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 #else
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  __m256 w[4];
-  for (int64_t g = 0; g < K / G; ++g) {
-    load_group<Q4>(codes + g * bytes, d[g], Q4 ? m[g] : 0.f, w);
-    const float* xg = x + g * G;
-    for (int r = 0; r < R; ++r) {
-      const float* xr = xg + r * K;
-      acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
-    }
+using vf = __m256;
+constexpr int64_t L = 8;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf v) { return hsum(v); }
+#endif
+constexpr int V = G / L;  // vectors per group
+
+// The 32 weights of group g of one weight row as V vectors, w = q d (+ m).
+template <bool Q4>
+inline void group_vectors(const uint8_t* codes, const float* d, const float* m, int64_t g, vf w[V]) {
+  constexpr int64_t bytes = Q4 ? G / 2 : G;
+  const uint8_t* c = codes + g * bytes;
+#ifdef PDQ_AVX512
+  const __m512 vd = _mm512_set1_ps(d[g]);
+  if constexpr (Q4) {
+    const __m512 vm = _mm512_set1_ps(m[g]);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), vd, vm);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), vd, vm);
+  } else {
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))), vd);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)))), vd);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+#else
+  load_group<Q4>(c, d[g], Q4 ? m[g] : 0.f, w);
 #endif
 }
 
-// Weight rows [n0, n1) against all M rows of x [M, K]: y[r * ldy + n]. Rows of x go in fours
-// (each weight row is read once per four rows of x, from cache after the first).
+// Reduction order, the same for every (row of x, weight row) pair whatever the call's shape:
+// one accumulator vector, acc = fma(w[k..k+L), x[k..k+L), acc) for k = 0, L, 2L, ... in order,
+// then one horizontal sum. Both paths below follow it, so a row's result does not depend on
+// how many rows the call has (nor on how weight rows are split over threads).
+
+// Small M (<= 4 rows of x): NB weight rows against R rows, groups widened in registers.
+template <bool Q4, int R, int NB>
+inline void tile_registers(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                           int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  vf acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+  for (int64_t g = 0; g < ng; ++g) {
+    vf w[NB][V];
+    for (int j = 0; j < NB; ++j) group_vectors<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g, w[j]);
+    for (int v = 0; v < V; ++v)
+      for (int r = 0; r < R; ++r) {
+        const vf xv = vload(x + r * K + g * G + v * L);
+        for (int j = 0; j < NB; ++j) acc[r][j] = vfma(w[j][v], xv, acc[r][j]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = vsum(acc[r][j]);
+}
+
+// Larger M: NB weight rows already widened to float32 (w, row stride K) against R rows.
+// (always inlined with its loops unrolled, so the R x NB accumulators stay in registers: left to
+// its own choice GCC kept them in memory in block_rows<false> and ran at half the speed)
+template <int R, int NB>
+inline __attribute__((always_inline)) void tile_widened(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  vf acc[R][NB];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+  for (int64_t k = 0; k < K; k += L) {
+    vf wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = vload(w + j * K + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const vf xv = vload(x + r * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = vsum(acc[r][j]);
+}
+
+template <bool Q4, int NB>
+inline void rows_registers(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                           const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  switch (M) {
+    case 4: tile_registers<Q4, 4, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 3: tile_registers<Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 2: tile_registers<Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    default: tile_registers<Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+  }
+}
+
+template <int NB>
+inline void rows_widened(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) tile_widened<4, NB>(x + r * K, K, w, y + r * ldy, ldy);
+  switch (M - r) {
+    case 3: tile_widened<3, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 2: tile_widened<2, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 1: tile_widened<1, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+
+// Weight rows [n0, n1) against all M rows of x [M, K]: y[r * ldy + n]. Weight rows go in fours.
+// Up to four rows of x, each group is widened in registers and used at once (the weights are
+// streamed once; a batch-1 decode step is bound by these instructions). Above four, the four
+// weight rows are widened once into a float32 buffer and every 4 x 4 tile of (rows of x,
+// weight rows) reads it from L1: 16 FMAs per 8 loads, instead of widening again per four rows.
 template <bool Q4>
 inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
                        const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (M <= 0) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
-  for (int64_t n = n0; n < n1; ++n) {
+  thread_local std::vector<float> widened;
+  if (M > 4) widened.resize(static_cast<size_t>(4 * K));
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const uint8_t* c = codes + n * row_bytes;
     const float* dn = d + n * ng;
     const float* mn = Q4 ? m + n * ng : d;
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) dot_rows<Q4, 4>(x + r * K, c, dn, mn, K, ldy, y + r * ldy + n);
-    switch (M - r) {
-      case 3: dot_rows<Q4, 3>(x + r * K, c, dn, mn, K, ldy, y + r * ldy + n); break;
-      case 2: dot_rows<Q4, 2>(x + r * K, c, dn, mn, K, ldy, y + r * ldy + n); break;
-      case 1: dot_rows<Q4, 1>(x + r * K, c, dn, mn, K, ldy, y + r * ldy + n); break;
-      default: break;
+    if (M <= 4) {
+      switch (nb) {
+        case 4: rows_registers<Q4, 4>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+        case 3: rows_registers<Q4, 3>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+        case 2: rows_registers<Q4, 2>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+        default: rows_registers<Q4, 1>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+      }
+      continue;
+    }
+    for (int j = 0; j < nb; ++j)
+      for (int64_t g = 0; g < ng; ++g) {
+        vf w[V];
+        group_vectors<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g, w);
+        for (int v = 0; v < V; ++v) std::memcpy(widened.data() + j * K + g * G + v * L, &w[v], sizeof(vf));
+      }
+    switch (nb) {
+      case 4: rows_widened<4>(x, M, K, widened.data(), y + n, ldy); break;
+      case 3: rows_widened<3>(x, M, K, widened.data(), y + n, ldy); break;
+      case 2: rows_widened<2>(x, M, K, widened.data(), y + n, ldy); break;
+      default: rows_widened<1>(x, M, K, widened.data(), y + n, ldy); break;
     }
   }
 }

@@ -35,6 +35,24 @@ def test_blocks_kept_exactly_and_multiplied_like_the_gguf_dequantization(qtype):
         torch.testing.assert_close(layer(x), x @ reference.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype):
+    """The kernel widens groups in registers up to four rows of x and into an L1 buffer above;
+    a row's bits must not depend on which path, on its position or on the weight rows' tiling
+    (30 output rows: tiles of four and a tail of two). Zero rows give an empty result."""
+    from kernels.cpu import quant
+
+    ext = quant.load()
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30)))
+    x = torch.randn(KERNEL_MAX_ROWS, 96, generator=torch.Generator().manual_seed(2))
+    full = layer.kernel_rows(x, ext)
+    for rows in range(1, 10):
+        for start in (0, 5, KERNEL_MAX_ROWS - rows):
+            part = layer.kernel_rows(x[start:start + rows].contiguous(), ext)
+            assert torch.equal(part, full[start:start + rows]), (rows, start)
+    assert layer.kernel_rows(x[:0], ext).shape == (0, 30)
+
+
 def test_unpermute_matches_transformers_gguf_loader():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
