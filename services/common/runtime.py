@@ -168,6 +168,8 @@ class Worker:
                 return decode_as(reply, RequestStatus).open
             except NoResponders:
                 if self.gateway_silent_s(meta) >= self.gateway_gone_s:
+                    self.log.warning("gateway_gone_dropping", request_id=meta.request_id,
+                                     silent_s=round(self.gateway_silent_s(meta), 1))
                     return False
                 if time.monotonic() >= ask_until or self.stopping.is_set():
                     self.log.info("gateway_unreachable_keeping", request_id=meta.request_id,
