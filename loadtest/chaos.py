@@ -14,7 +14,8 @@ streamed requests at ``--concurrency``:
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
 * ``disconnect``: a third of the clients go away at a random point of their stream;
-* with ``--nats-cluster 3``: ``nats-node`` and ``nats-freeze`` (``loadtest/chaos_cluster.py``).
+* with ``--nats-cluster 3``: ``nats-node``, ``nats-partition``, ``nats-freeze`` and
+  ``nats-partition-gateway`` (``loadtest/chaos_cluster.py``).
 
 A fault scenario keeps sending requests (cycling through the prompts) until at least
 ``--min-faults`` faults have happened.
