@@ -14,7 +14,8 @@ streamed requests at ``--concurrency``:
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
 * ``disconnect``: a third of the clients go away at a random point of their stream;
-* with ``--nats-cluster 3``: ``nats-node`` and ``nats-freeze`` (``loadtest/chaos_cluster.py``).
+* with ``--nats-cluster 3``: ``nats-node``, ``nats-partition``, ``nats-freeze`` and
+  ``nats-partition-gateway`` (``loadtest/chaos_cluster.py``).
 
 A fault scenario keeps sending requests (cycling through the prompts) until at least
 ``--min-faults`` faults have happened.
@@ -248,9 +249,11 @@ def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
               interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None,
-              nats_nodes: int = 1) -> list[Row]:
+              nats_nodes: int = 1, time_scale: float = 1.0) -> list[Row]:
     """Run the scenarios; returns one row each (also used by the CI test). ``nats_nodes`` > 1:
-    on a local NATS cluster of that many nodes, with stream replicas min(3, nodes)."""
+    on a local NATS cluster of that many nodes, with stream replicas min(3, nodes).
+    ``time_scale`` multiplies the requests' time limits (request, first-token and stall
+    timeouts, and so the hang margin) on a machine slower or busier than a developer's."""
     from services import launcher
     from shared.model_files import served_model_name
 
@@ -262,8 +265,9 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     redis.start()
     settings = Settings.from_env(
         model=model, namespace=f"chaos{uuid.uuid4().hex[:6]}", nats_url=nats.url, redis_url=redis.url,
-        nats_replicas=min(3, nats_nodes), kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0, request_timeout_s=120.0, stall_timeout_s=20.0,
-        first_token_timeout_s=60.0, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+        nats_replicas=min(3, nats_nodes), kv_store="redis", kv_block_ttl_s=5.0, kv_tail_ttl_s=5.0,
+        request_timeout_s=120.0 * time_scale, stall_timeout_s=20.0 * time_scale,
+        first_token_timeout_s=60.0 * time_scale, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
         ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
     )
     name = served_model_name(settings)
@@ -345,11 +349,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}")
     p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
     p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply the requests' time limits (120 s request, 60 s first token, 20 s stall)")
     args = p.parse_args(argv or [])
     scenarios = args.scenarios or ",".join(CLUSTER_SCENARIOS if args.nats_cluster > 1 else SCENARIOS)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
                      [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
-                     workdir=Path(args.workdir) if args.workdir else None)
+                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale)
     print()
     print(format_rows(rows))
     for r in rows:

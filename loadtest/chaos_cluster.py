@@ -9,7 +9,10 @@ URL and work queues with three replicas, and the faults hit one node at a time.
   while its clients stay connected to it; then the routes heal and it catches up;
 * ``nats-freeze``: a node (every other fault: the meta leader) is stopped with SIGSTOP for
   ``freeze_s`` and continued: to its peers and its clients it stops answering at once (not a
-  clean exit); then it catches up.
+  clean exit); then it catches up;
+* ``nats-partition-gateway``: as ``nats-partition``, but always the node the gateway is
+  connected to (from the monitoring port's ``/connz``): workers elsewhere cannot reach the
+  gateway while it waits for its requests (the loss of a partition run, issue 19).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from loadtest.route_proxy import RouteMesh
 from services.nats_cluster import NatsCluster
 
 #: Scenarios that need ``--nats-cluster 3``.
-CLUSTER_SCENARIOS = ("nats-node", "nats-partition", "nats-freeze")
+CLUSTER_SCENARIOS = ("nats-node", "nats-partition", "nats-freeze", "nats-partition-gateway")
 
 
 class ChaosCluster(NatsCluster):
@@ -53,6 +56,24 @@ class ChaosCluster(NatsCluster):
         leader = self.meta_leader() if self.faults % 2 == 0 else None
         return leader or rng.choice([n for n in self.nodes if n.is_up])
 
+    def node_of_client(self, name_prefix: str):
+        """The node a client whose connection name starts with ``name_prefix`` is connected to
+        (from each node's ``/connz``), or None."""
+        import json
+        import urllib.request
+
+        for node in self.nodes:
+            if not node.is_up:
+                continue
+            try:
+                with urllib.request.urlopen(f"http://{self.host}:{node.http_port}/connz?limit=1024", timeout=1) as r:
+                    conns = json.loads(r.read()).get("connections") or []
+            except Exception:
+                continue
+            if any((c.get("name") or "").startswith(name_prefix) for c in conns):
+                return node
+        return None
+
     def kill_and_restart(self, rng: random.Random, down_s: float = 1.0, heal_timeout_s: float = 60.0) -> str:
         """SIGKILL one node, start it again after ``down_s``; returns its name once healthy."""
         node = self.victim(rng)
@@ -76,9 +97,11 @@ class ChaosCluster(NatsCluster):
         return node.name
 
 
-def partition(cluster: ChaosCluster, rng: random.Random, cut_s: float = 5.0, heal_timeout_s: float = 60.0) -> str:
-    """Cut one node's routes for ``cut_s``, then heal them; returns its name once healthy."""
-    node = cluster.victim(rng)
+def partition(cluster: ChaosCluster, rng: random.Random, cut_s: float = 5.0, heal_timeout_s: float = 60.0,
+              node=None) -> str:
+    """Cut one node's routes (``node``, or :meth:`ChaosCluster.victim`'s) for ``cut_s``, then heal
+    them; returns its name once healthy."""
+    node = node or cluster.victim(rng)
     cluster.faults += 1
     i = cluster.nodes.index(node)
     cluster.mesh.cut(i)
@@ -103,5 +126,7 @@ def cluster_fault(kind: str, cluster: ChaosCluster, rng: random.Random) -> None:
         partition(cluster, rng)
     elif kind == "nats-freeze":
         cluster.freeze(rng)
+    elif kind == "nats-partition-gateway":
+        partition(cluster, rng, node=cluster.node_of_client("pdserve-gateway"))
     else:
         raise ValueError(f"not a cluster scenario: {kind}")

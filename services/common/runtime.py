@@ -81,6 +81,7 @@ class Worker:
         self._owns_bus = bus is None
         self.aborted = RecentSet()
         self.started_at = time.time()
+        self.gateway_heard: dict[str, float] = {}  # gateway inbox → monotonic time of its last heartbeat
         self.ready = False
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -123,26 +124,57 @@ class Worker:
                                type="server_error", code="internal_error")
         await self.publish(reply_to, event)
 
+    @property
+    def gateway_gone_s(self) -> float:
+        """Silence after which a gateway that does not answer counts as gone: its own patience
+        with a request that makes no progress (``first_token_timeout_s``, ``stall_timeout_s``).
+        A gateway cut off from this worker that long has failed the request itself."""
+        return max(self.settings.first_token_timeout_s, self.settings.stall_timeout_s)
+
+    def gateway_silent_s(self, meta: RequestMeta) -> float:
+        """Seconds since the request's gateway was last known alive: its last heartbeat heard
+        here, or the request's creation (it was alive then), whichever is later."""
+        since_created = max(0.0, time.time() - meta.created_at)
+        heard = self.gateway_heard.get(meta.reply_to)
+        return since_created if heard is None else min(since_created, time.monotonic() - heard)
+
+    async def _on_gateway_heartbeat(self, message: Message) -> None:
+        if isinstance(message, Heartbeat) and message.inbox:
+            self.gateway_heard[message.inbox] = time.monotonic()
+
     async def still_wanted(self, meta: RequestMeta, num_delivered: int) -> bool:
-        """Whether to start work on a request. Aborted or past-deadline requests are not.
-        Redelivered work, or work queued before this worker started (it missed any Abort
-        broadcast since), is checked with the request's gateway: closed means no; no answer in
-        time means yes; gone (no responder) means no only once it has stayed gone for
-        ``heartbeat_timeout_s`` — right after a broker restart the gateway may not have
-        subscribed again yet, and "no responders" then says nothing about the request."""
+        """Whether to start (or go on with) work on a request. Aborted or past-deadline
+        requests are not. Redelivered work, or work queued before this worker started (it
+        missed any Abort broadcast since), is checked with the request's gateway: closed means
+        no; no answer in time means yes.
+
+        "No responders" says only that no server route leads to the gateway now: right after a
+        broker restart it has not subscribed again yet, and a cluster node cut off from its
+        routes (a partition) hides every client on it — while the gateway still waits for the
+        request. So it is asked again for ``heartbeat_timeout_s``; if it still cannot be
+        reached, the request counts as wanted, unless the gateway has been silent (no
+        heartbeat) for ``gateway_gone_s``: then it is dead, or it has given the request up
+        (issue 19: a partition longer than heartbeat_timeout_s made workers drop
+        redelivered work whose gateway was alive)."""
         if meta.request_id in self.aborted or time.time() > meta.deadline_at:
             return False
         if num_delivered <= 1 and meta.created_at >= self.started_at:
             return True
-        gone_until = time.monotonic() + self.settings.heartbeat_timeout_s
+        ask_until = time.monotonic() + self.settings.heartbeat_timeout_s
         while True:
             try:
                 reply = await self.bus.request(self.protocol.gateway_status(meta.reply_to),
                                                StatusQuery(request_id=meta.request_id), timeout_s=1.0)
                 return decode_as(reply, RequestStatus).open
             except NoResponders:
-                if time.monotonic() >= gone_until or self.stopping.is_set():
+                if self.gateway_silent_s(meta) >= self.gateway_gone_s:
+                    self.log.warning("gateway_gone_dropping", request_id=meta.request_id,
+                                     silent_s=round(self.gateway_silent_s(meta), 1))
                     return False
+                if time.monotonic() >= ask_until or self.stopping.is_set():
+                    self.log.info("gateway_unreachable_keeping", request_id=meta.request_id,
+                                  silent_s=round(self.gateway_silent_s(meta), 1))
+                    return True
                 await asyncio.sleep(0.5)
             except Exception:
                 return True
@@ -201,6 +233,7 @@ class Worker:
             self.bus = await NatsBus.connect(s, f"pdserve-{self.instance_id}")
         await self.bus.ensure_queues(self.protocol.work_queues)
         await self.bus.subscribe(self.protocol.abort, self._on_control)
+        await self.bus.subscribe(self.protocol.heartbeat_of("gateway"), self._on_gateway_heartbeat)
         self.spawn(self._heartbeat_loop(), "heartbeat")
         self.spawn(self._outbox_loop(), "outbox")
         await self.setup()

@@ -91,6 +91,12 @@ class Gateway:
         reconnect_until = time.monotonic() + RECONNECT_WAIT_S
         while not self.client.is_connected and time.monotonic() < reconnect_until:
             await asyncio.sleep(0.05)  # a broker restart delays requests rather than refusing them
+        # a stage unheard for a moment — the gateway's NATS node cut from its routes, a node
+        # restarting — delays requests the same way; one missing for stage_down_grace_s is
+        # refused at once (issue 19: a 5 s partition of the gateway's node refused 200 of 491)
+        while (self.client.missing_stages() and time.monotonic() < reconnect_until
+               and not self.client.stages_down(self.settings.stage_down_grace_s)):
+            await asyncio.sleep(0.1)
         self.client.check_ready()
         # echo prompts are checked first: a 400 never holds a concurrent slot or a reservation
         responses = responses_for(endpoint, request_id, self.model_name, int(time.time()), req,

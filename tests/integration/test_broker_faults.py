@@ -122,3 +122,73 @@ def test_a_cluster_keeps_its_replicated_queue_through_the_meta_leader_death(tmp_
     finally:
         cluster.stop()
     assert len(got) == 10
+
+
+def test_a_gateway_on_a_node_cut_from_its_routes_keeps_its_redelivered_work(tmp_path, namespace):
+    """A partition on real NATS (issue 19's lost partition request): the gateway's node is cut
+    from its cluster routes while the gateway, connected to it, still waits. A worker on another
+    node asking about its redelivered work gets "no responders" — the cut hides the gateway's
+    subscription — for longer than heartbeat_timeout_s; it must keep the work (it used to drop
+    it), and once the routes heal it gets the gateway's own answer."""
+    from loadtest.chaos_cluster import ChaosCluster
+    from services.common.runtime import Worker
+    from shared.messages import RequestStatus, StatusQuery, decode_as
+
+    cluster = ChaosCluster(tmp_path / "cluster")
+    cluster.start()
+    base = Settings.from_env({}, namespace=namespace, nats_replicas=3, heartbeat_timeout_s=1.0,
+                             first_token_timeout_s=30.0, stall_timeout_s=10.0)
+    at = [f"nats://{cluster.host}:{n.client_port}" for n in cluster.nodes]
+    inbox = base.protocol().gateway_inbox("g-cut")
+    meta = RequestMeta(request_id="r-cut", reply_to=inbox, model="m", created_at=time.time() - 5,
+                       deadline_at=time.time() + 60)
+
+    async def go():
+        import dataclasses
+
+        gateway = await NatsBus.connect(dataclasses.replace(base, nats_url=at[0]), "gateway-on-n0")
+
+        async def status(data: bytes):
+            return RequestStatus(request_id=decode_as(data, StatusQuery).request_id, open=True)
+
+        await gateway.serve(base.protocol().gateway_status(inbox), status)
+        await gateway.nc.flush()
+        worker = Worker(dataclasses.replace(base, nats_url=at[1]))
+        worker.bus = await NatsBus.connect(worker.settings, "worker-on-n1")
+        end = time.monotonic() + 10  # the gateway's interest reaches n1
+        while time.monotonic() < end:
+            try:
+                await worker.bus.request(base.protocol().gateway_status(inbox), StatusQuery(request_id="x"), 1.0)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        cluster.mesh.cut(0)
+        await asyncio.sleep(1.0)
+        no_responders = False
+        try:
+            await worker.bus.request(base.protocol().gateway_status(inbox), StatusQuery(request_id="x"), 1.0)
+        except Exception as exc:
+            no_responders = type(exc).__name__ == "NoResponders"
+        started = time.monotonic()
+        kept = await worker.still_wanted(meta, num_delivered=2)
+        waited = time.monotonic() - started
+        cluster.mesh.heal(0)
+        end, answered = time.monotonic() + 20, None
+        while answered is None and time.monotonic() < end:
+            try:
+                reply = await worker.bus.request(base.protocol().gateway_status(inbox),
+                                                 StatusQuery(request_id="r-cut"), 1.0)
+                answered = decode_as(reply, RequestStatus).open
+            except Exception:
+                await asyncio.sleep(0.3)
+        await worker.bus.close()
+        await gateway.close()
+        return no_responders, kept, waited, answered
+
+    try:
+        no_responders, kept, waited, answered = asyncio.run(go())
+    finally:
+        cluster.stop()
+    assert no_responders, "the cut did not hide the gateway (the scenario this test is about)"
+    assert kept is True and waited >= 1.0
+    assert answered is True

@@ -367,3 +367,60 @@ def test_client_that_hangs_up_mid_body_is_not_a_server_error(tiny_model_dir):
     assert internal_errors() == before
     starts = [m for m in messages if m["type"] == "http.response.start"]
     assert not starts or starts[0]["status"] == 499
+
+
+class BlindPipeline(FakePipeline):
+    """A pipeline whose gateway hears no heartbeat of some stages (``missing``), as when its NATS
+    node is cut from the cluster's routes."""
+
+    def __init__(self, script, missing: list[str]):
+        super().__init__(script)
+        self.missing = missing
+
+    def missing_stages(self):
+        return list(self.missing)
+
+    def check_ready(self):
+        from shared.errors import ServiceUnavailable
+
+        if self.missing:
+            raise ServiceUnavailable(f"no live worker for stage(s): {', '.join(self.missing)}")
+
+
+def test_a_stage_unheard_for_a_moment_delays_a_request_instead_of_refusing_it(tiny_model_dir):
+    """Issue 19: the gateway's node cut from its routes for 5 s hides every worker on other
+    nodes; requests arriving then waited for nothing and got a 503 (200 of 491 in a
+    partition run). Now they wait (as for a reconnect, at most RECONNECT_WAIT_S) while the
+    stage has been missing for less than stage_down_grace_s, and are served once it is back;
+    one missing for longer is still refused at once."""
+    import services.gateway.app as app_module
+
+    s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=2.0, first_token_timeout_s=2.0,
+                          rate_limit_store="local")
+    fake = BlindPipeline(lambda task: texts(task.meta.request_id, ["hel", "lo"]), ["tokenizer", "postfilter"])
+    app = app_module.create_app(s, client=fake)
+    app.state.gateway.load_model()
+
+    async def go():
+        async def heal():
+            await asyncio.sleep(1.0)
+            fake.missing = []
+
+        healing = asyncio.create_task(heal())
+        started = time.monotonic()
+        async with client_for(app) as c:
+            resp = await c.post("/v1/chat/completions", json=BODY)
+        waited = time.monotonic() - started
+        await healing
+        fake.missing, fake.down = ["decode"], ["decode"]  # gone for longer than the grace
+        started = time.monotonic()
+        async with client_for(app) as c:
+            refused = await c.post("/v1/chat/completions", json=BODY)
+        return resp, waited, refused, time.monotonic() - started
+
+    resp, waited, refused, refused_after = run(go())
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "hello"
+    assert waited >= 0.9
+    assert refused.status_code == 503 and "decode" in refused.json()["error"]["message"]
+    assert refused_after < 1.0

@@ -18,6 +18,7 @@ from services.postfilter.worker import PostfilterWorker
 from services.prefill.worker import PrefillWorker
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import Settings
+from shared.bus import NoResponders
 from shared.memory_bus import MemoryBus
 from shared.messages import RequestMeta, SamplingParams, TextChunk, TokenChunk, TokenizeTask
 
@@ -33,16 +34,35 @@ class DroppingBus(MemoryBus):
         super().__init__(ack_wait_s=5.0)
         self.drop, self.budget = drop, budget
         self.dropped: list = []
+        self.gateway_cut_until = 0.0  # monotonic: till then the gateways are cut off (see below)
+        self.unanswered: list[str] = []
+
+    def gateway_cut(self) -> bool:
+        return time.monotonic() < self.gateway_cut_until
 
     async def publish(self, subject, message) -> None:
+        if self.gateway_cut() and subject.endswith(".heartbeat.gateway"):
+            return  # a partition: the gateway's heartbeats do not reach the workers
         if len(self.dropped) < self.budget and self.drop(subject, message):
             self.dropped.append(message)
             return
         await super().publish(subject, message)
 
+    async def request(self, subject, message, timeout_s):
+        """While the gateways are cut off, a status query finds no route to them: NATS
+        answers "no responders", as a cluster node cut from its routes makes it do."""
+        if self.gateway_cut() and ".gateway." in subject:
+            self.unanswered.append(subject)
+            raise NoResponders(subject)
+        return await super().request(subject, message, timeout_s)
 
-async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1) -> tuple[str, list]:
-    """One greedy request through a fresh in-process pipeline; (its text, the dropped messages)."""
+
+async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1, *, queued_s_before: float = 0.0,
+                       gateway_cut_s: float = 0.0) -> tuple[str, DroppingBus]:
+    """One greedy request through a fresh in-process pipeline; (its text, the bus: what it
+    dropped). ``queued_s_before``: the request was created that long before (queued before the
+    workers started: every stage checks it with the gateway, as redelivered work);
+    ``gateway_cut_s``: the gateway is cut off from the workers that long from its submission."""
     settings = Settings.from_env({}, model=model, namespace=f"lost{uuid.uuid4().hex[:8]}", instance_id="",
                                  heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, kv_store="shm",
                                  kv_cache_memory_bytes=16 << 20, dtype="float32")
@@ -57,9 +77,10 @@ async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1) -> 
         while client.missing_stages() and time.monotonic() < end:
             await asyncio.sleep(0.1)
         meta = RequestMeta(request_id=f"r{uuid.uuid4().hex[:8]}", reply_to=client.inbox, model=workers[0].model_name,
-                           created_at=time.time(), deadline_at=time.time() + 60)
+                           created_at=time.time() - queued_s_before, deadline_at=time.time() + 60)
         task = TokenizeTask(meta=meta, sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                             prompt="the lost message")
+        bus.gateway_cut_until = time.monotonic() + gateway_cut_s
         run = RequestRun(client, [Choice(0, 0, task)], meta.deadline_at, stall_timeout_s=15.0, tick_s=0.2)
         text = []
         async with run:
@@ -67,7 +88,7 @@ async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1) -> 
                 if delta is not None:
                     text.append(delta.text)
         assert run.choices[0].num_tokens == MAX_TOKENS
-        return "".join(text), bus.dropped
+        return "".join(text), bus
     finally:
         await client.stop()
         for w in workers:
@@ -85,18 +106,18 @@ def reference(tiny_model_dir) -> str:
 def test_first_token_lost_on_its_way_to_the_postfilter(tiny_model_dir, reference):
     """Prefill's token 0 (it carries the StreamSpec) never arrives: the postfilter cannot know
     the request; the gateway's resend broadcast makes decode send the stream again from 0."""
-    text, dropped = asyncio.run(run_pipeline(
+    text, bus = asyncio.run(run_pipeline(
         str(tiny_model_dir), lambda s, m: isinstance(m, TokenChunk) and m.index == 0))
-    assert len(dropped) == 1 and dropped[0].spec is not None
+    assert len(bus.dropped) == 1 and bus.dropped[0].spec is not None
     assert text == reference
 
 
 def test_first_text_lost_on_its_way_to_the_gateway(tiny_model_dir, reference):
     """The postfilter's first TextChunk never arrives: the gateway knows no postfilter to ask;
     its broadcast reaches the one that has the text."""
-    text, dropped = asyncio.run(run_pipeline(
+    text, bus = asyncio.run(run_pipeline(
         str(tiny_model_dir), lambda s, m: isinstance(m, TextChunk) and m.text_offset == 0))
-    assert len(dropped) == 1
+    assert len(bus.dropped) == 1
     assert text == reference
 
 
@@ -111,8 +132,8 @@ def test_a_whole_token_stream_lost_including_its_end(tiny_model_dir, reference):
         ended.extend([True] if message.finish_reason else [])
         return True
 
-    text, dropped = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
-    assert sum(len(m.token_ids) for m in dropped) == MAX_TOKENS and dropped[-1].finish_reason
+    text, bus = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
+    assert sum(len(m.token_ids) for m in bus.dropped) == MAX_TOKENS and bus.dropped[-1].finish_reason
     assert text == reference
 
 
@@ -127,39 +148,72 @@ def test_every_decode_token_lost_after_prefills_first(tiny_model_dir, reference)
         ended.extend([True] if message.finish_reason else [])
         return True
 
-    text, dropped = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
-    assert sum(len(m.token_ids) for m in dropped) == MAX_TOKENS - 1 and dropped[-1].finish_reason
+    text, bus = asyncio.run(run_pipeline(str(tiny_model_dir), drop, budget=10_000))
+    assert sum(len(m.token_ids) for m in bus.dropped) == MAX_TOKENS - 1 and bus.dropped[-1].finish_reason
+    assert text == reference
+
+
+def test_work_whose_gateway_is_cut_off_longer_than_the_heartbeat_timeout_goes_on(tiny_model_dir, reference):
+    """A partition (issue 19's lost partition request): the gateway, alive and waiting, cannot be
+    reached from the workers for 5 s — more than twice ``heartbeat_timeout_s`` — so its status
+    answers are "no responders" and its heartbeats are lost. The request was queued before the
+    workers started, so every stage asks the gateway before it works on it, exactly as for a
+    redelivered work item. Each stage must go on with the work; it used to ack and drop it after
+    heartbeat_timeout_s of "no responders", and the request waited for its timeout."""
+    text, bus = asyncio.run(run_pipeline(str(tiny_model_dir), queued_s_before=5.0, gateway_cut_s=5.0))
+    assert bus.unanswered, "no status query met the cut"
     assert text == reference
 
 
 def test_no_responders_right_after_a_restart_is_not_a_dead_gateway():
     """A redelivered item's gateway answers "no responders" while it re-subscribes after a broker
-    restart: the worker keeps asking for heartbeat_timeout_s before it drops the work."""
+    restart: the worker keeps asking, and the answer it then gets counts. A gateway that stays
+    unreachable is given the benefit of the doubt (a partition hides a live one), unless it has
+    been silent — no heartbeat, and the request older — for its own patience
+    (first_token_timeout_s / stall_timeout_s): then the work is dropped at once."""
     from services.common.runtime import Worker
-    from shared.messages import RequestStatus, StatusQuery, decode_as
+    from shared.messages import Heartbeat, RequestStatus, StatusQuery, decode_as
 
     async def go():
-        settings = Settings.from_env({}, namespace="nr", heartbeat_timeout_s=1.5)
+        settings = Settings.from_env({}, namespace="nr", heartbeat_timeout_s=1.5, first_token_timeout_s=4.0,
+                                     stall_timeout_s=2.0)
         bus = MemoryBus()
         worker = Worker(settings, bus=bus)
-        meta = RequestMeta(request_id="r1", reply_to="nr.gateway.g1.events", model="m", created_at=time.time() - 10,
-                           deadline_at=time.time() + 60)
+        await bus.subscribe(worker.protocol.heartbeat_of("gateway"), worker._on_gateway_heartbeat)
+        assert worker.gateway_gone_s == 4.0
+
+        def meta_of(rid: str, gateway: str, age_s: float) -> RequestMeta:
+            return RequestMeta(request_id=rid, reply_to=f"nr.gateway.{gateway}.events", model="m",
+                               created_at=time.time() - age_s, deadline_at=time.time() + 60)
 
         async def status(data: bytes):
-            return RequestStatus(request_id=decode_as(data, StatusQuery).request_id, open=True)
+            return RequestStatus(request_id=decode_as(data, StatusQuery).request_id, open=False)
 
         async def gateway_back_later() -> None:
             await asyncio.sleep(0.6)
-            await bus.serve(worker.protocol.gateway_status(meta.reply_to), status)
+            await bus.serve(worker.protocol.gateway_status("nr.gateway.g1.events"), status)
 
         back = asyncio.create_task(gateway_back_later())
-        assert await worker.still_wanted(meta, num_delivered=2) is True
+        assert await worker.still_wanted(meta_of("r1", "g1", 10), num_delivered=2) is False  # its answer: closed
         await back
+
+        # cut off but heard from 1 s ago (a partition): kept, after asking for heartbeat_timeout_s
+        await bus.publish(worker.protocol.heartbeat_of("gateway"),
+                          Heartbeat(stage="gateway", instance_id="g2", model="m", sent_at=time.time(),
+                                    inbox="nr.gateway.g2.events"))
+        await asyncio.sleep(0.1)
+        worker.gateway_heard["nr.gateway.g2.events"] -= 1.0
         started = time.monotonic()
-        gone = RequestMeta(request_id="r2", reply_to="nr.gateway.gone.events", model="m",
-                           created_at=time.time() - 10, deadline_at=time.time() + 60)
-        assert await worker.still_wanted(gone, num_delivered=2) is False
+        assert await worker.still_wanted(meta_of("r2", "g2", 10), num_delivered=2) is True
         assert time.monotonic() - started >= 1.5
+        # a young request of a gateway never heard from: it was alive when it sent it
+        assert await worker.still_wanted(meta_of("r3", "g3", 1), num_delivered=2) is True
+        # silent for longer than its patience: gone, no waiting
+        started = time.monotonic()
+        assert await worker.still_wanted(meta_of("r4", "g4", 10), num_delivered=2) is False
+        worker.gateway_heard["nr.gateway.g2.events"] -= 5.0
+        assert await worker.still_wanted(meta_of("r5", "g2", 10), num_delivered=2) is False
+        assert time.monotonic() - started < 0.5
         await bus.close()
 
     asyncio.run(go())
