@@ -126,8 +126,9 @@ class Settings:
     enable_prefix_caching: bool = _doc("Reuse KV blocks of identical prompt prefixes.", default=True)
     batch_invariant: bool = _doc(
         "CPU: a request's tokens do not depend on the rest of the batch, the prefix cache or chunking "
-        "(fixed-shape linear calls, per-token paged attention); false = the fused decode step, about 2.4x "
-        "faster at one stream, prefill ~1.6x (docs/decisions.md).",
+        "(GGUF weights: every step, prefill too, through the fused per-row decode kernels; float weights: "
+        "fixed-shape linear calls, per-token paged attention); false = prefill through the unfused layers, "
+        "faster for long prompts (figures in docs/decisions.md).",
         default=True,
     )
 
