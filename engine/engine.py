@@ -338,11 +338,14 @@ class LLMEngine:
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
             reason = seq.check_finished()
-            if seq.matcher is not None and reason is None and advance(seq.matcher, token_id):
-                reason = "stop"  # the grammar is complete: only EOS could follow
+            error = None
+            if seq.matcher is not None and reason is None:
+                done, error = advance(seq.matcher, token_id)
+                if done:  # the grammar is complete (only EOS could follow), or the matcher failed
+                    reason = "error" if error else "stop"
             ends_here = reason is not None or seq.stop_after_prefill
             out = StepOutput(seq, [token_id], [logprob], index=seq.num_output_tokens - 1, finished=ends_here,
-                             finish_reason=reason)
+                             finish_reason=reason, error=error)
             if out.index == 0 and seq.sampling.prompt_logprobs is not None:
                 out.prompt_logprobs = seq.prompt_logprobs
             if seq.stop_after_prefill and reason is None:

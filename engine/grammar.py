@@ -194,15 +194,20 @@ class GrammarBackend:
         self._pool.shutdown(wait=False)
 
 
-def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
-    """Feed a sampled token to a sequence's matcher; True when the grammar is complete (only
-    EOS may follow), or the matcher failed (which ends the sequence rather than let it run on
-    unconstrained)."""
+def advance(matcher: llguidance.LLMatcher, token_id: int) -> tuple[bool, str | None]:
+    """Feed a sampled token to a sequence's matcher.
+
+    Returns:
+        ``(done, error)``: done when the grammar is complete (only EOS may follow) or the
+        matcher failed; ``error`` is then the matcher's message (the sequence ends with an
+        error rather than run on unconstrained or pass off a broken output as complete).
+    """
     matcher.consume_token(token_id)
     if matcher.is_error():
-        get_logger(__name__).error("grammar_matcher_failed", error=matcher.get_error()[:300])
-        return True
-    return matcher.is_stopped()
+        error = matcher.get_error()[:300]
+        get_logger(__name__).error("grammar_matcher_failed", error=error)
+        return True, error
+    return matcher.is_stopped(), None
 
 
 class LazyGrammar:

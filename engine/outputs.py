@@ -38,6 +38,8 @@ class StepOutput:
     prompt_kv: PromptKV | None = None
     #: on a sequence's first output, when it asked for them: prompt tokens 1.. (prompt_logprobs.py)
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: why the sequence failed (finish_reason "error"): the worker fails the request with it
+    error: str | None = None
 
     @property
     def request_id(self) -> str:

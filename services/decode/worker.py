@@ -114,6 +114,10 @@ class DecodeWorker(ModelWorker):
             req = self.active.get(out.request_id)
             if req is None:
                 continue
+            if out.error is not None:  # the engine ended it: a terminal error event, not a finish
+                if not req.done.done():
+                    req.done.set_exception(EngineError(f"structured output failed: {out.error}"))
+                continue
             spec = None
             if out.index == 0:  # this worker prefilled the prompt itself: it opens the stream
                 task = req.task

@@ -124,7 +124,10 @@ class PrefillWorker(ModelWorker):
         for out in outputs:
             fut = self.pending.get(out.request_id)
             if fut is not None and not fut.done():
-                fut.set_result(out)
+                if out.error is not None:  # the engine ended it: a terminal error event, not a finish
+                    fut.set_exception(EngineError(f"structured output failed: {out.error}"))
+                else:
+                    fut.set_result(out)
 
     def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
         for rid in request_ids:

@@ -73,6 +73,24 @@ def test_schema_output_is_valid_json_greedy_and_sampled(engine, tiny_model):
     assert len({_text(tok, s) for s in seqs[1:]}) > 1  # seeds still matter
 
 
+def test_a_failed_matcher_ends_the_sequence_with_an_error(engine, tiny_model, monkeypatch):
+    """When a sampled token breaks the grammar (here: masks not applied, so the gibberish model
+    leaves the JSON grammar at once), the sequence ends with finish_reason "error" and the
+    matcher's message, which the workers turn into a terminal error event, not a "stop"."""
+    import engine.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "apply_bitmask", lambda *args: None)
+    tok = tiny_model[2]
+    engine.add_request("broken", tok.encode("Hello world"),
+                       SamplingParams(max_tokens=30, temperature=0, grammar=schema_grammar(SCHEMA, "response_format")))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == "broken"]
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == "error" and last.error
+    assert all(o.error is None for o in outputs[:-1])
+
+
 def test_resumed_sequence_replays_the_grammar_state(engine, tiny_model):
     """A stream resumed elsewhere with the tokens it already has (failover, or the prefill →
     decode hand-off) continues exactly as the uninterrupted one."""
