@@ -44,6 +44,12 @@ def _grammar(schema_json: str, param: str) -> str:
     if is_error:
         raise InvalidRequest(f"invalid JSON schema in '{param}': {messages[0] if messages else 'rejected'}",
                              param=param)
+    # lenient compilation ignores keywords it cannot enforce (uniqueItems, contains, ...): the
+    # output would then not be guaranteed to match, so such schemas are refused
+    unenforced = [m.split(":", 1)[1].strip() for m in messages if m.startswith("Unimplemented keys")]
+    if unenforced:
+        raise InvalidRequest(f"invalid JSON schema in '{param}': keywords the structured-output engine cannot "
+                             f"enforce: {', '.join(unenforced)}", param=param)
     return grammar
 
 

@@ -150,6 +150,15 @@ def test_a_schema_at_the_entry_limit_compiles_and_a_tool_needs_object_parameters
     check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 
 
+@pytest.mark.parametrize("schema,keyword", [({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                                            ({"type": "array", "contains": {"type": "integer"}}, "contains")])
+def test_keywords_the_grammar_cannot_enforce_are_refused(schema, keyword):
+    with pytest.raises(InvalidRequest) as err:
+        schema_grammar({"type": "object", "properties": {"xs": schema}}, "response_format")
+    assert keyword in err.value.message and err.value.status == 400
+    schema_grammar({"type": "object", "properties": {"xs": {"type": "array", "description": "kept"}}}, "response_format")
+
+
 def test_grammar_cache_compiles_each_schema_once(engine):
     backend = engine.grammar.get()
     grammar = response_format_grammar({"type": "json_object"})
