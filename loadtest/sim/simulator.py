@@ -38,8 +38,10 @@ class Topology:
         mode: ``aggregated`` (``workers`` aggregated workers), ``disaggregated`` (``prefill``
             + ``decode`` workers) or ``conditional`` (the same, routed per request).
         workers, prefill, decode: worker counts.
-        host_cores: cores per host (0 = not modelled: each worker has its own, e.g. a GPU).
-        workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores).
+        host_cores: cores per host (0 = processor sharing not modelled: a GPU-class worker, or
+            a calibrated replay whose contention is in the profile's co-run factor).
+        workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores);
+            the profile's ``corun_slowdown`` applies among them.
         max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens: engine settings
             (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
         local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
@@ -190,7 +192,7 @@ class Simulation:
 
     def host_changed(self, now: float, worker: SimWorker) -> None:
         """A worker went busy or idle: the others of its host re-time from their next step."""
-        if worker.host.cores:
+        if len(worker.host.workers) > 1:
             for w in worker.host.workers:
                 if w is not worker and w.busy:
                     w.cut(now)

@@ -14,6 +14,7 @@ block ids were taken.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from engine.block_manager import BlockManager
@@ -30,6 +31,16 @@ class SimSeq(Sequence):
 
     __slots__ = ("req", "last_t", "max_out")
 
+    def update_block_hashes(self) -> None:
+        """Name blocks past the trace's prompt hashes (output blocks, all placeholder tokens) by
+        their parent's hash alone: unique per prefix, as the engine's are, without hashing
+        placeholder token ids (a sixth of the simulator's time on long-output traces)."""
+        hashes = self.block_hashes
+        num_full = len(self.token_ids) // self.block_size
+        while len(hashes) < num_full:
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hashlib.blake2b(parent, digest_size=16, person=b"pdserve-sim-out").digest())
+
 
 def new_seq(req, block_size: int, hashes: list[bytes], prefill_only: bool) -> SimSeq:
     """A sequence for ``req`` (a :class:`~loadtest.sim.trace.SimRequest`) whose token ids are
@@ -43,10 +54,11 @@ def new_seq(req, block_size: int, hashes: list[bytes], prefill_only: bool) -> Si
 class Host:
     """A machine's cores, shared by its model workers and the pipeline's services.
 
-    ``cores`` 0 = not modelled (a GPU-class worker with its own host). Otherwise a step's time
-    is multiplied by :meth:`factor`: ``corun_slowdown`` when another worker of the host is busy
-    (shared memory bandwidth), and processor sharing when busy workers plus the services' CPU
-    demand (tokenizer, detokenize, SSE: an exponential average over ``tau_s``) exceed the cores.
+    A step's time is multiplied by :meth:`factor`: ``corun_slowdown`` when another worker of the
+    host is busy (shared memory bandwidth), and — unless ``cores`` is 0 (not modelled: a
+    GPU-class worker, or a calibrated run whose contention is in the fitted co-run ratio) —
+    processor sharing when busy workers plus the services' CPU demand (tokenizer, detokenize,
+    SSE: an exponential average over ``tau_s``) exceed the cores.
     """
 
     def __init__(self, cores: int, corun_slowdown: float = 1.0, tau_s: float = 2.0):
@@ -64,10 +76,12 @@ class Host:
         return self._acc * math.exp(-(now - self._at) / self.tau) / self.tau
 
     def factor(self, now: float, worker: SimWorker) -> float:
-        if not self.cores:
+        if len(self.workers) < 2 and not self.cores:
             return 1.0
         busy = sum(1 for w in self.workers if w.busy and w is not worker) + 1
         f = self.corun if busy > 1 else 1.0
+        if not self.cores:
+            return f
         demand = busy + self.service_load(now)
         return f * max(1.0, demand / self.cores)
 
@@ -220,7 +234,8 @@ class SimWorker:
                 continue
             first_end = t0 + t1
             if k > 1:
-                self.bm.allocate(seq, k - 1)
+                if -(-(seq.num_computed_tokens + k - 1) // self.block_size) > len(seq.block_table):
+                    self.bm.allocate(seq, k - 1)
                 seq.num_computed_tokens += k - 1
                 seq.token_ids.extend([0] * k)
             else:

@@ -1,0 +1,156 @@
+"""Calibrate a profile on a real run's own engine steps: the observed/expected correction of
+NVIDIA Dynamo's SLA planner (``docs/architecture/sla_planner.md``: it scales its pre-deployment
+prefill and decode interpolations by the ratio of what the live workers report to what the
+profile predicted), applied per step with the step log the model workers write
+(``PD_STEP_LOG_DIR``, :class:`services.common.engine_loop.EngineLoop`).
+
+On a machine whose load changes minute to minute (other jobs share its cores), a profile
+measured ten minutes before a run describes another machine. The run's own steps are measured
+in the same window as its latencies, so the costs the simulator replays are those the
+requests met; the latencies (queueing, batching, interleaving, the tails) are still predicted
+by the simulator, not fitted.
+
+What is fitted, from the steps inside the workload's window:
+
+* ``decode`` — observed / profile-predicted time of decode-only steps, when no other model
+  worker of the host was computing (time-weighted: Σ observed / Σ predicted); scales the decode
+  table, its context term and the fixed per-step cost;
+* ``prefill`` — the same for steps that compute prompt tokens; scales the prefill table and its
+  attention term;
+* ``corun`` — the same ratio for steps that overlapped another worker's step, over the alone
+  one: the host's co-running slowdown as the run met it (shared cores, memory bandwidth, and
+  the services' CPU, which is busiest when both workers are) — it replaces the profile's
+  ``corun_slowdown`` and the simulator's processor-sharing term (the topology's ``host_cores``
+  is set to 0 by :func:`calibrated_topology`: that contention is inside the observed steps);
+* ``step_loop_s`` — the median gap between consecutive decode steps of a busy worker: the
+  worker loop's own time per step (queued calls, handing outputs to the event loop).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from loadtest.sim.profile import CostModel, Profile
+
+
+@dataclass
+class StepLog:
+    """One worker's steps: ``header`` (stage, instance, cpus, pid) and records
+    ``(start, seconds, [[chunk, context], ...], decode batch, decode context)``."""
+
+    header: dict
+    steps: list[tuple]
+
+
+def read_step_logs(folder: str | Path) -> list[StepLog]:
+    """Every ``*.jsonl`` step log in ``folder`` (one per model worker process)."""
+    logs = []
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        header, steps = {}, []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if isinstance(rec, dict):
+                header = rec.get("header", {})
+            else:
+                steps.append(tuple(rec))
+        logs.append(StepLog(header, steps))
+    return logs
+
+
+def _overlap(intervals: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
+    """Seconds of [a, b] covered by ``intervals`` (sorted, disjoint; ``starts`` their starts)."""
+    i = max(0, bisect.bisect_right(starts, a) - 1)
+    cover = 0.0
+    while i < len(intervals) and intervals[i][0] < b:
+        s, e = intervals[i]
+        cover += max(0.0, min(b, e) - max(a, s))
+        i += 1
+    return cover
+
+
+def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None = None) -> dict:
+    """Observed/predicted ratios of the run's steps (see module doc).
+
+    Args:
+        profile: the profile whose predictions are corrected.
+        logs: the run's step logs (all its model workers; all on one host).
+        window: (start, end) on the step logs' clock; steps outside are ignored.
+
+    Returns:
+        ``{"decode", "prefill", "corun", "step_loop_s", "steps", "spread"}`` — ``spread`` is
+        the (p10, p50, p90) of per-step ratios of alone decode steps (the run's jitter, which a
+        deterministic replay does not have). Ratios default to 1.0 where there were no steps.
+    """
+    cost = CostModel(replace(profile, step_loop_s=0.0))
+    busy = []
+    for log in logs:
+        iv = sorted((s[0], s[0] + s[1]) for s in log.steps)
+        busy.append((iv, [a for a, _ in iv]))
+    sums = {k: [0.0, 0.0] for k in ("decode", "prefill", "decode_co", "prefill_co")}
+    gaps, ratios, n = [], [], 0
+    for w, log in enumerate(logs):
+        prev = None
+        for start, seconds, chunks, batch, ctx in log.steps:
+            if window and not (window[0] <= start <= window[1]):
+                prev = None
+                continue
+            n += 1
+            expected = cost.step([tuple(c) for c in chunks], batch, ctx)
+            co = sum(_overlap(iv, st, start, start + seconds) for v, (iv, st) in enumerate(busy) if v != w)
+            kind = ("prefill" if chunks else "decode") + ("_co" if co > 0.5 * seconds else "")
+            sums[kind][0] += seconds
+            sums[kind][1] += expected
+            if kind == "decode" and expected > 0:
+                ratios.append(seconds / expected)
+            if prev is not None and not chunks and not prev[2]:
+                gap = start - (prev[0] + prev[1])
+                if 0 <= gap < 0.05:
+                    gaps.append(gap)
+            prev = (start, seconds, chunks)
+
+    def ratio(k: str, default: float = 1.0) -> float:
+        o, e = sums[k]
+        return o / e if e > 0 else default
+
+    dec, pre = ratio("decode"), ratio("prefill")
+    dec = dec if sums["decode"][1] else pre
+    pre = pre if sums["prefill"][1] else dec
+    co_obs = sums["decode_co"][0] + sums["prefill_co"][0]
+    co_alone = sums["decode_co"][1] * dec + sums["prefill_co"][1] * pre  # what they'd take alone
+    corun = max(1.0, co_obs / co_alone) if co_alone > 0 else 1.0
+    spread = tuple(_quantiles(ratios, (0.1, 0.5, 0.9))) if ratios else (1.0, 1.0, 1.0)
+    return {"decode": dec, "prefill": pre, "corun": corun,
+            "step_loop_s": statistics.median(gaps) if gaps else profile.step_loop_s,
+            "steps": n, "spread": spread,
+            "seconds": {k: round(v[0], 3) for k, v in sums.items()}}
+
+
+def _quantiles(xs: list[float], qs) -> list[float]:
+    ys = sorted(xs)
+    return [ys[min(len(ys) - 1, int(q * len(ys)))] for q in qs]
+
+
+def apply(profile: Profile, f: dict) -> Profile:
+    """``profile`` with the fitted ratios applied (host-side CPU costs unchanged)."""
+    d = {
+        "prefill_s": [x * f["prefill"] for x in profile.prefill_s],
+        "prefill_attn_s": profile.prefill_attn_s * f["prefill"],
+        "decode_s": [x * f["decode"] for x in profile.decode_s],
+        "decode_ctx_s": profile.decode_ctx_s * f["decode"],
+        "step_fixed_s": profile.step_fixed_s * f["decode"],
+        "corun_slowdown": f["corun"],
+        "step_loop_s": f["step_loop_s"],
+    }
+    return replace(profile, **d)
+
+
+def calibrated_topology(topo):
+    """The topology to replay a calibrated profile on: the host's contention is in the fitted
+    ``corun`` ratio, so processor sharing is not modelled again (``host_cores`` 0)."""
+    return replace(topo, host_cores=0)
