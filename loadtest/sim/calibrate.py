@@ -22,6 +22,10 @@ What is fitted, from the steps inside the workload's window:
   the services' CPU, which is busiest when both workers are) — it replaces the profile's
   ``corun_slowdown`` and the simulator's processor-sharing term (the topology's ``host_cores``
   is set to 0 by :func:`calibrated_topology`: that contention is inside the observed steps);
+* ``jitter`` — the spread of each step's time over what those ratios predict for it (twenty
+  equally likely levels, mean 1): the stretches in which other processes held the core. A
+  replay with the mean cost alone gets the median inter-token gap too long and the tail too
+  short; with ``Profile.step_jitter`` each step draws a level;
 * ``step_loop_s`` — the median gap between consecutive decode steps of a busy worker: the
   worker loop's own time per step (queued calls, handing outputs to the event loop).
 """
@@ -93,7 +97,7 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
         iv = sorted((s[0], s[0] + s[1]) for s in log.steps)
         busy.append((iv, [a for a, _ in iv]))
     sums = {k: [0.0, 0.0] for k in ("decode", "prefill", "decode_co", "prefill_co")}
-    gaps, ratios, n = [], [], 0
+    gaps, ratios, seen, n = [], [], [], 0
     for w, log in enumerate(logs):
         prev = None
         for start, seconds, chunks, batch, ctx in log.steps:
@@ -106,6 +110,8 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
             kind = ("prefill" if chunks else "decode") + ("_co" if co > 0.5 * seconds else "")
             sums[kind][0] += seconds
             sums[kind][1] += expected
+            if expected > 0:
+                seen.append((seconds, expected, kind))
             if kind == "decode" and expected > 0:
                 ratios.append(seconds / expected)
             if prev is not None and not chunks and not prev[2]:
@@ -125,10 +131,19 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
     co_alone = sums["decode_co"][1] * dec + sums["prefill_co"][1] * pre  # what they'd take alone
     corun = max(1.0, co_obs / co_alone) if co_alone > 0 else 1.0
     spread = tuple(_quantiles(ratios, (0.1, 0.5, 0.9))) if ratios else (1.0, 1.0, 1.0)
-    return {"decode": dec, "prefill": pre, "corun": corun,
+    # each step over what the fitted ratios predict for it: the run's jitter
+    scale = {"decode": dec, "prefill": pre, "decode_co": dec * corun, "prefill_co": pre * corun}
+    resid = [o / (e * scale[k]) for o, e, k in seen]
+    jitter = _quantiles(resid, [(i + 0.5) / JITTER_LEVELS for i in range(JITTER_LEVELS)]) if len(resid) >= 50 else []
+    mean = sum(jitter) / len(jitter) if jitter else 1.0
+    return {"decode": dec, "prefill": pre, "corun": corun, "jitter": [round(j / mean, 4) for j in jitter],
             "step_loop_s": statistics.median(gaps) if gaps else profile.step_loop_s,
             "steps": n, "spread": spread,
             "seconds": {k: round(v[0], 3) for k, v in sums.items()}}
+
+
+#: equally likely levels of the fitted step jitter
+JITTER_LEVELS = 20
 
 
 def _quantiles(xs: list[float], qs) -> list[float]:
@@ -146,6 +161,7 @@ def apply(profile: Profile, f: dict) -> Profile:
         "step_fixed_s": profile.step_fixed_s * f["decode"],
         "corun_slowdown": f["corun"],
         "step_loop_s": f["step_loop_s"],
+        "step_jitter": f.get("jitter", []),
     }
     return replace(profile, **d)
 

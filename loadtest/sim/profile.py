@@ -58,6 +58,10 @@ class Profile:
             modelled ones; calibrated from an idle request's TTFT.
         corun_slowdown: step-time factor when another model worker on the same host is busy
             (shared memory bandwidth and caches), 1.0 = none.
+        step_jitter: equally likely factors (mean 1) one step's time is multiplied by — the
+            spread of observed over predicted step times of a run on a shared machine (other
+            processes taking the core for a while), measured by :mod:`loadtest.sim.calibrate`;
+            empty = steps take exactly their predicted time.
         host_cores: cores of the host the profile was measured on.
         num_kv_blocks, block_size: one worker's KV pool.
         sources: where each cited number comes from (cited profiles), or how it was measured.
@@ -88,6 +92,7 @@ class Profile:
     step_loop_s: float = 0.0
     pipeline_s: float = 0.0
     corun_slowdown: float = 1.0
+    step_jitter: list[float] = field(default_factory=list)
     host_cores: int = 0
     num_kv_blocks: int = 4096
     block_size: int = 16

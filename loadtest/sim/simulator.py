@@ -20,6 +20,7 @@ SLOs, per-worker utilization, and the simulator's own speed.
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -87,6 +88,8 @@ class Simulation:
         self.hop = profile.bus_hop_s
         self.out_delay = 2 * profile.bus_hop_s
         self.tok_cpu = profile.token_cpu_s
+        self.jitter = list(profile.step_jitter)
+        self.rng = random.Random(0)
         blocks = topo.num_kv_blocks or profile.num_kv_blocks
         kw = dict(num_blocks=blocks, block_size=profile.block_size, max_num_seqs=topo.max_num_seqs,
                   max_num_batched_tokens=topo.max_num_batched_tokens,
@@ -198,17 +201,37 @@ class Simulation:
                     w.cut(now)
 
     # --- outputs ----------------------------------------------------------------------
-    def tokens(self, seq, first_end: float, end: float, k: int, host: Host) -> None:
-        """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``."""
+    def jitter_factor(self) -> float:
+        """One step's draw of the profile's ``step_jitter`` (1.0 without)."""
+        return self.jitter[self.rng.randrange(len(self.jitter))] if self.jitter else 1.0
+
+    def tokens(self, seq, first_end: float, end: float, k: int, host: Host, step_s: float = 0.0) -> None:
+        """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``; a
+        segment's steps take ``step_s`` (its first) and more. With ``step_jitter`` a segment's
+        gaps are spread over its factors (each gap once per factor, weight 1/len): the segment's
+        length is that of its mean step, its gaps are distributed as jittered steps would be."""
         i = seq.req.idx
+        jit = self.jitter if k > 1 else ()
         if seq.last_t < 0:
             self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+        elif jit:
+            wait, w = first_end - seq.last_t - step_s, 1 / len(jit)
+            for j in jit:
+                self.gap_v.append(wait + step_s * j)
+                self.gap_w.append(w)
         else:
             self.gap_v.append(first_end - seq.last_t)
             self.gap_w.append(1)
         if k > 1:
-            self.gap_v.append((end - first_end) / (k - 1))
-            self.gap_w.append(k - 1)
+            g = (end - first_end) / (k - 1)
+            if jit:
+                w = (k - 1) / len(jit)
+                for j in jit:
+                    self.gap_v.append(g * j)
+                    self.gap_w.append(w)
+            else:
+                self.gap_v.append(g)
+                self.gap_w.append(k - 1)
         seq.last_t = end
         self.n_out[i] += k
         self.last[i] = end + self.out_delay + self.tok_cpu + self.p.pipeline_s

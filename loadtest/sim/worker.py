@@ -160,6 +160,8 @@ class SimWorker:
         if not prefill and not plan.preempted:
             k = self._segment_length(plan, batch)
         t1 = self.cost.step(prefill, batch, ctx) * f
+        if k == 1 and self.sim.jitter:  # a segment's steps take their mean (sim.tokens spreads its gaps)
+            t1 *= self.sim.jitter_factor()
         dt = self.cost.decode_step(batch, batch) * f - self.cost.decode_step(batch, 0) * f if not prefill else 0.0
         t0 = now + self.extra_s
         self.busy_s += self.extra_s
@@ -243,7 +245,7 @@ class SimWorker:
             seq.update_block_hashes()
             if item.num_new_tokens > 1:  # a prompt just completed: its blocks become findable
                 self.bm.cache_full_blocks(seq)
-            sim.tokens(seq, first_end, now, k, self.host)
+            sim.tokens(seq, first_end, now, k, self.host, t1)
             if seq.stop_after_prefill:
                 self.sched.finish(seq, None)
                 if seq.num_output_tokens < seq.max_out:
