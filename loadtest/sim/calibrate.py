@@ -14,9 +14,12 @@ What is fitted, from the steps inside the workload's window:
 
 * ``decode`` — observed / profile-predicted time of decode-only steps, when no other model
   worker of the host was computing (time-weighted: Σ observed / Σ predicted); scales the decode
-  table, its context term and the fixed per-step cost;
-* ``prefill`` — the same for steps that compute prompt tokens; scales the prefill table and its
-  attention term;
+  context term and the fixed per-step cost, and — per batch-size point of the decode table
+  (``decode_by_batch``: steps counted at the nearest point, points without steps
+  interpolated) — the table itself, so a profile whose shape a loaded machine bent is
+  straightened where the run has data;
+* ``prefill`` — the same for steps that compute prompt tokens (``prefill_by_tokens`` per
+  chunk-size point of the prefill table); the overall ratio scales the attention term;
 * ``corun`` — the same ratio for steps that overlapped another worker's step, over the alone
   one: the host's co-running slowdown as the run met it (shared cores, memory bandwidth, and
   the services' CPU, which is busiest when both workers are) — it replaces the profile's
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -111,7 +115,7 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
             sums[kind][0] += seconds
             sums[kind][1] += expected
             if expected > 0:
-                seen.append((seconds, expected, kind))
+                seen.append((seconds, expected, kind, sum(c[0] for c in chunks) if chunks else batch))
             if kind == "decode" and expected > 0:
                 ratios.append(seconds / expected)
             if prev is not None and not chunks and not prev[2]:
@@ -131,15 +135,54 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
     co_alone = sums["decode_co"][1] * dec + sums["prefill_co"][1] * pre  # what they'd take alone
     corun = max(1.0, co_obs / co_alone) if co_alone > 0 else 1.0
     spread = tuple(_quantiles(ratios, (0.1, 0.5, 0.9))) if ratios else (1.0, 1.0, 1.0)
+    # by table point: the profile's shape corrected where the run has steps of that size
+    by = {"decode": _by_point(profile.decode_batch, [x for x in seen if not x[2].startswith("prefill")], corun, dec),
+          "prefill": _by_point(profile.prefill_tokens, [x for x in seen if x[2].startswith("prefill")], corun, pre)}
+    tables = {k: (profile.decode_batch if k == "decode" else profile.prefill_tokens, v) for k, v in by.items()}
+
+    def predicted(e: float, kind: str, size: int) -> float:
+        xs, rs = tables[kind.removesuffix("_co")]
+        return e * rs[_nearest(xs, size)] * (corun if kind.endswith("_co") else 1.0)
+
     # each step over what the fitted ratios predict for it: the run's jitter
-    scale = {"decode": dec, "prefill": pre, "decode_co": dec * corun, "prefill_co": pre * corun}
-    resid = [o / (e * scale[k]) for o, e, k in seen]
+    resid = [o / predicted(e, k, size) for o, e, k, size in seen]
     jitter = _quantiles(resid, [(i + 0.5) / JITTER_LEVELS for i in range(JITTER_LEVELS)]) if len(resid) >= 50 else []
     mean = sum(jitter) / len(jitter) if jitter else 1.0
     return {"decode": dec, "prefill": pre, "corun": corun, "jitter": [round(j / mean, 4) for j in jitter],
+            "decode_by_batch": by["decode"], "prefill_by_tokens": by["prefill"],
             "step_loop_s": statistics.median(gaps) if gaps else profile.step_loop_s,
             "steps": n, "spread": spread,
             "seconds": {k: round(v[0], 3) for k, v in sums.items()}}
+
+
+def _nearest(xs: list[int], x: int) -> int:
+    """Index of the table point nearest ``x`` on a log scale."""
+    lx = math.log(max(x, 1))
+    return min(range(len(xs)), key=lambda i: abs(math.log(max(xs[i], 1)) - lx))
+
+
+def _by_point(xs: list[int], seen: list[tuple], corun: float, overall: float) -> list[float]:
+    """Observed/predicted per table point (steps assigned to the nearest point, co-run steps
+    counted at their alone time); points without steps interpolated between those with,
+    held constant beyond them; all ``overall`` when the run has none."""
+    obs, exp = [0.0] * len(xs), [0.0] * len(xs)
+    for o, e, kind, size in seen:
+        i = _nearest(xs, size)
+        obs[i] += o / (corun if kind.endswith("_co") else 1.0)
+        exp[i] += e
+    have = [i for i in range(len(xs)) if exp[i] > 0]
+    if not have:
+        return [overall] * len(xs)
+    r = {i: obs[i] / exp[i] for i in have}
+    out = []
+    for i in range(len(xs)):
+        lo = max((j for j in have if j <= i), default=None)
+        hi = min((j for j in have if j >= i), default=None)
+        if lo is None or hi is None or lo == hi:
+            out.append(r[lo if lo is not None else hi])
+        else:
+            out.append(r[lo] + (r[hi] - r[lo]) * (i - lo) / (hi - lo))
+    return [round(x, 4) for x in out]
 
 
 #: equally likely levels of the fitted step jitter
@@ -154,9 +197,9 @@ def _quantiles(xs: list[float], qs) -> list[float]:
 def apply(profile: Profile, f: dict) -> Profile:
     """``profile`` with the fitted ratios applied (host-side CPU costs unchanged)."""
     d = {
-        "prefill_s": [x * f["prefill"] for x in profile.prefill_s],
+        "prefill_s": [x * r for x, r in zip(profile.prefill_s, f.get("prefill_by_tokens") or [f["prefill"]] * 99)],
         "prefill_attn_s": profile.prefill_attn_s * f["prefill"],
-        "decode_s": [x * f["decode"] for x in profile.decode_s],
+        "decode_s": [x * r for x, r in zip(profile.decode_s, f.get("decode_by_batch") or [f["decode"]] * 99)],
         "decode_ctx_s": profile.decode_ctx_s * f["decode"],
         "step_fixed_s": profile.step_fixed_s * f["decode"],
         "corun_slowdown": f["corun"],

@@ -1,17 +1,25 @@
 """Simulated against measured: the modes benchmark's workload (``loadtest/bench_modes.py``)
-served for real by each mode and replayed in the simulator, in one script, so both see the
-same machine under the same outside load.
+served for real by each mode and replayed in the simulator, in one script.
 
 ``pdserve bench sim-validate [--requests 60] [--rate 0.5] [--modes ...] [--crossover 128]
-[--profile FILE] [--out DIR]``
+[--profile FILE] [--out DIR] [--measured DIR]``
 
 1. Unless ``--profile`` is given, a fresh ``pdserve profile --quick`` of the model in
-   ``PD_*`` (this machine, now).
+   ``PD_*``: the shape of the costs (prefill by tokens and context, decode by batch and
+   context, KV hand-off, bus hop, detokenize).
 2. The modes benchmark's deployments (``bench_modes.mode_plans``: each model worker pinned to
-   its own core), its workload (the same seed, so the same arrivals and lengths) through each.
-3. The same requests through the simulator's matching topologies — all workers on one host
-   of ``os.cpu_count()`` cores, the services' CPU sharing them.
-4. A table of p50/p90 TTFT and ITL, simulated vs measured, with the relative error.
+   its own core), its workload (the same seed, so the same arrivals and lengths) through each,
+   every model worker writing its step log (``PD_STEP_LOG_DIR``) into ``<out>/steps/<mode>``.
+3. The same requests through the simulator's matching topologies, each on the profile
+   corrected by its own run's engine steps (:mod:`loadtest.sim.calibrate`: observed/expected
+   decode and prefill ratios, the co-run slowdown, loop gap and step jitter, all measured in
+   the minutes the run's latencies were) and its idle probe's TTFT (the pipeline latency).
+   On a machine other jobs share, a profile measured earlier describes another machine.
+4. A table of p50/p90 TTFT and ITL, simulated vs measured, with the relative error; then the
+   same with the idle-probe calibration alone and with the profile alone, for comparison.
+
+``--measured DIR`` replays a previous run's folder (its profile, ``measured.json`` and step
+logs) without measuring again.
 """
 
 from __future__ import annotations

@@ -63,9 +63,28 @@ def test_fit_recovers_the_machine(tmp_path):
     # the window drops what lies outside it
     assert calibrate.fit(prof, logs, (0.0, 100.5))["steps"] < f["steps"] / 5
     p = calibrate.apply(prof, f)
-    assert p.decode_s[0] == pytest.approx(prof.decode_s[0] * f["decode"])
-    assert p.prefill_s[-1] == pytest.approx(prof.prefill_s[-1] * f["prefill"])
+    # one batch size and one chunk size ran: every table point gets their ratio
+    assert f["decode_by_batch"] == pytest.approx([f["decode"]] * len(prof.decode_s), rel=0.02)
+    assert f["prefill_by_tokens"] == pytest.approx([f["prefill"]] * len(prof.prefill_s), rel=0.02)
+    assert p.decode_s[0] == pytest.approx(prof.decode_s[0] * f["decode_by_batch"][0])
+    assert p.prefill_s[-1] == pytest.approx(prof.prefill_s[-1] * f["prefill_by_tokens"][-1])
     assert p.corun_slowdown == f["corun"] and p.step_jitter == j
+
+
+def test_fit_by_point_straightens_a_bent_profile(tmp_path):
+    """Run steps at two batch sizes whose true costs differ from the profile by different
+    factors: each table point gets its own, points between are interpolated."""
+    prof = _profile()  # decode_batch [1, 8, 32, 64]
+    cost = CostModel(prof)
+    steps, t = [], 10.0
+    for b, r in ((1, 0.5), (32, 2.0)):
+        for _ in range(100):
+            dt = cost.decode_step(b, 0) * r
+            steps.append([t, dt, [], b, 0])
+            t += dt + 0.001
+    (tmp_path / "w.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path))
+    assert f["decode_by_batch"] == pytest.approx([0.5, 1.25, 2.0, 2.0], rel=0.01)
 
 
 def test_engine_step_record_describes_the_step():
