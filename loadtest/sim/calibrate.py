@@ -29,6 +29,11 @@ What is fitted, from the steps inside the workload's window:
   equally likely levels, mean 1): the stretches in which other processes held the core. A
   replay with the mean cost alone gets the median inter-token gap too long and the tail too
   short; with ``Profile.step_jitter`` each step draws a level;
+* ``load_timeline`` — observed over predicted per :data:`LOAD_BIN_S` of the run: the
+  machine's speed as the other jobs on it left it, minute to minute (1.0 throughout on a
+  machine of one's own). A replay of that run (``Profile.load_timeline``) meets the same
+  slow and fast stretches at the same times; queueing, batching and the tails are still the
+  simulator's. The jitter is what is left within a bin;
 * ``step_loop_s`` — the median gap between consecutive decode steps of a busy worker: the
   worker loop's own time per step (queued calls, handing outputs to the event loop).
 """
@@ -83,7 +88,46 @@ def _overlap(intervals: list[tuple[float, float]], starts: list[float], a: float
 
 
 def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None = None) -> dict:
-    """Observed/predicted ratios of the run's steps (see module doc).
+    """Observed/predicted ratios of the run's steps (see module doc), after refitting the
+    profile's attention term on the run's prefill steps (:func:`_attention`); the result's
+    ``prefill_attn_s`` is the profile's before scaling."""
+    first = _ratios(profile, logs, window)
+    attn = _attention(profile, first)
+    if attn is None:
+        return first | {"prefill_attn_s": profile.prefill_attn_s}
+    return _ratios(replace(profile, prefill_attn_s=attn), logs, window) | {"prefill_attn_s": attn}
+
+
+def _attention(profile: Profile, f: dict) -> float | None:
+    """The attention coefficient the run's prefill steps show, in the profile's units:
+    least squares of each step's alone time (decodes beside it taken off) on the profile's
+    table at its total chunk tokens ``T`` and its attention pairs ``P`` (each chunk's tokens ×
+    its context, less the cross-chunk pairs the table's prompt had), ``obs ≈ a·T + b·P``
+    with a, b ≥ 0; returns ``b / a``. None with fewer than four prefill steps or no spread
+    in ``P``."""
+    rows = f.get("_prefill_rows") or []
+    if len(rows) < 4:
+        return None
+    sx = [[0.0, 0.0], [0.0, 0.0]]
+    sy = [0.0, 0.0]
+    for y, t, pp in rows:
+        sx[0][0] += t * t
+        sx[0][1] += t * pp
+        sx[1][1] += pp * pp
+        sy[0] += t * y
+        sy[1] += pp * y
+    det = sx[0][0] * sx[1][1] - sx[0][1] ** 2
+    if det <= 1e-12 * max(sx[0][0] * sx[1][1], 1e-300):
+        return None
+    a = (sy[0] * sx[1][1] - sy[1] * sx[0][1]) / det
+    b = (sx[0][0] * sy[1] - sx[0][1] * sy[0]) / det
+    if b < 0 or a <= 0:  # the attention pairs explain nothing: none of it
+        return 0.0 if a > 0 or sy[0] > 0 else None
+    return b / a
+
+
+def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None) -> dict:
+    """Observed/predicted ratios of the run's steps with ``profile`` as it is.
 
     Args:
         profile: the profile whose predictions are corrected.
@@ -101,7 +145,7 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
         iv = sorted((s[0], s[0] + s[1]) for s in log.steps)
         busy.append((iv, [a for a, _ in iv]))
     sums = {k: [0.0, 0.0] for k in ("decode", "prefill", "decode_co", "prefill_co")}
-    gaps, ratios, seen, n = [], [], [], 0
+    gaps, ratios, seen, pre_rows, n = [], [], [], [], 0
     for w, log in enumerate(logs):
         prev = None
         for start, seconds, chunks, batch, ctx in log.steps:
@@ -115,7 +159,9 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
             sums[kind][0] += seconds
             sums[kind][1] += expected
             if expected > 0:
-                seen.append((seconds, expected, kind, sum(c[0] for c in chunks) if chunks else batch))
+                seen.append((seconds, expected, kind, sum(c[0] for c in chunks) if chunks else batch, start))
+            if chunks:
+                pre_rows.append((seconds, kind, chunks, batch, ctx))
             if kind == "decode" and expected > 0:
                 ratios.append(seconds / expected)
             if prev is not None and not chunks and not prev[2]:
@@ -128,12 +174,22 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
         o, e = sums[k]
         return o / e if e > 0 else default
 
+    # decode steps come both alone and beside another worker's: they give the co-run factor;
+    # prefill steps (mostly beside decodes) are then counted at their alone time
     dec, pre = ratio("decode"), ratio("prefill")
-    dec = dec if sums["decode"][1] else pre
-    pre = pre if sums["prefill"][1] else dec
-    co_obs = sums["decode_co"][0] + sums["prefill_co"][0]
-    co_alone = sums["decode_co"][1] * dec + sums["prefill_co"][1] * pre  # what they'd take alone
-    corun = max(1.0, co_obs / co_alone) if co_alone > 0 else 1.0
+    if sums["decode"][1] and sums["decode_co"][1]:
+        corun = max(1.0, ratio("decode_co") / dec)
+    else:
+        dec = dec if sums["decode"][1] else pre
+        pre = pre if sums["prefill"][1] else dec
+        co_obs = sums["decode_co"][0] + sums["prefill_co"][0]
+        co_alone = sums["decode_co"][1] * dec + sums["prefill_co"][1] * pre  # what they'd take alone
+        corun = max(1.0, co_obs / co_alone) if co_alone > 0 else 1.0
+    pre_e = sums["prefill"][1] + sums["prefill_co"][1]
+    if pre_e:
+        pre = (sums["prefill"][0] + sums["prefill_co"][0] / corun) / pre_e
+    if not sums["decode"][1]:
+        dec = ratio("decode_co", pre * corun) / corun
     spread = tuple(_quantiles(ratios, (0.1, 0.5, 0.9))) if ratios else (1.0, 1.0, 1.0)
     # by table point: the profile's shape corrected where the run has steps of that size
     by = {"decode": _by_point(profile.decode_batch, [x for x in seen if not x[2].startswith("prefill")], corun, dec),
@@ -144,15 +200,39 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
         xs, rs = tables[kind.removesuffix("_co")]
         return e * rs[_nearest(xs, size)] * (corun if kind.endswith("_co") else 1.0)
 
-    # each step over what the fitted ratios predict for it: the run's jitter
-    resid = [o / predicted(e, k, size) for o, e, k, size in seen]
+    # the machine's speed over the run: predicted/observed per LOAD_BIN_S of the window, then
+    # each step over what the fitted ratios and its bin's factor predict for it: the jitter
+    t0 = window[0] if window else min((x[4] for x in seen), default=0.0)
+    nbins = int(max((x[4] - t0 for x in seen), default=0.0) // LOAD_BIN_S) + 1
+    bo, bp = [0.0] * nbins, [0.0] * nbins
+    for o, e, k, size, start in seen:
+        b = int((start - t0) // LOAD_BIN_S)
+        bo[b] += o
+        bp[b] += predicted(e, k, size)
+    timeline = [round(bo[b] / bp[b], 4) if bp[b] > 0 else 1.0 for b in range(nbins)]
+    resid = [o / predicted(e, k, size) / timeline[int((start - t0) // LOAD_BIN_S)] for o, e, k, size, start in seen]
     jitter = _quantiles(resid, [(i + 0.5) / JITTER_LEVELS for i in range(JITTER_LEVELS)]) if len(resid) >= 50 else []
     mean = sum(jitter) / len(jitter) if jitter else 1.0
+    flat = CostModel(replace(profile, step_loop_s=0.0, prefill_attn_s=0.0))
+    rows = []
+    for o, kind, chunks, batch, ctx in pre_rows:
+        o = o / (corun if kind.endswith("_co") else 1.0) - (cost.decode_step(batch, ctx) - cost.fixed) * dec * (batch > 0)
+        total = sum(c[0] for c in chunks)
+        pairs = sum(c[0] * c[1] for c in chunks) - (total * total - sum(c[0] * c[0] for c in chunks)) / 2
+        rows.append((o, flat.prefill(total), pairs))
     return {"decode": dec, "prefill": pre, "corun": corun, "jitter": [round(j / mean, 4) for j in jitter],
+            "_prefill_rows": rows, "load_timeline": timeline,
             "decode_by_batch": by["decode"], "prefill_by_tokens": by["prefill"],
             "step_loop_s": statistics.median(gaps) if gaps else profile.step_loop_s,
             "steps": n, "spread": spread,
             "seconds": {k: round(v[0], 3) for k, v in sums.items()}}
+
+
+#: seconds of one bin of the fitted load timeline
+LOAD_BIN_S = 20.0
+
+#: steps a table point needs for a ratio of its own (fewer: a loaded machine's noise)
+MIN_POINT_STEPS = 8
 
 
 def _nearest(xs: list[int], x: int) -> int:
@@ -163,14 +243,15 @@ def _nearest(xs: list[int], x: int) -> int:
 
 def _by_point(xs: list[int], seen: list[tuple], corun: float, overall: float) -> list[float]:
     """Observed/predicted per table point (steps assigned to the nearest point, co-run steps
-    counted at their alone time); points without steps interpolated between those with,
-    held constant beyond them; all ``overall`` when the run has none."""
-    obs, exp = [0.0] * len(xs), [0.0] * len(xs)
-    for o, e, kind, size in seen:
+    counted at their alone time); points with fewer than :data:`MIN_POINT_STEPS` steps
+    interpolated between those with, held constant beyond them; all ``overall`` when none has."""
+    obs, exp, cnt = [0.0] * len(xs), [0.0] * len(xs), [0] * len(xs)
+    for o, e, kind, size, _ in seen:
         i = _nearest(xs, size)
         obs[i] += o / (corun if kind.endswith("_co") else 1.0)
         exp[i] += e
-    have = [i for i in range(len(xs)) if exp[i] > 0]
+        cnt[i] += 1
+    have = [i for i in range(len(xs)) if exp[i] > 0 and cnt[i] >= MIN_POINT_STEPS]
     if not have:
         return [overall] * len(xs)
     r = {i: obs[i] / exp[i] for i in have}
@@ -194,19 +275,32 @@ def _quantiles(xs: list[float], qs) -> list[float]:
     return [ys[min(len(ys) - 1, int(q * len(ys)))] for q in qs]
 
 
-def apply(profile: Profile, f: dict) -> Profile:
-    """``profile`` with the fitted ratios applied (host-side CPU costs unchanged)."""
+def apply(profile: Profile, f: dict, timeline: bool = True) -> Profile:
+    """``profile`` with the fitted ratios applied (host-side CPU costs unchanged); with
+    ``timeline`` the run's load timeline too (a replay of that run, time 0 its window's start)."""
     d = {
         "prefill_s": [x * r for x, r in zip(profile.prefill_s, f.get("prefill_by_tokens") or [f["prefill"]] * 99)],
-        "prefill_attn_s": profile.prefill_attn_s * f["prefill"],
+        "prefill_attn_s": f.get("prefill_attn_s", profile.prefill_attn_s) * f["prefill"],
         "decode_s": [x * r for x, r in zip(profile.decode_s, f.get("decode_by_batch") or [f["decode"]] * 99)],
         "decode_ctx_s": profile.decode_ctx_s * f["decode"],
         "step_fixed_s": profile.step_fixed_s * f["decode"],
         "corun_slowdown": f["corun"],
         "step_loop_s": f["step_loop_s"],
         "step_jitter": f.get("jitter", []),
+        "load_timeline": f.get("load_timeline", []) if timeline else [],
+        "load_bin_s": LOAD_BIN_S,
     }
+    d["prefill_s"], d["decode_s"] = _monotone(d["prefill_s"]), _monotone(d["decode_s"])
     return replace(profile, **d)
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """Running maximum: a step never gets cheaper with more tokens or sequences."""
+    out, m = [], 0.0
+    for y in ys:
+        m = max(m, y)
+        out.append(m)
+    return out
 
 
 def calibrated_topology(topo):

@@ -89,6 +89,7 @@ class Simulation:
         self.out_delay = 2 * profile.bus_hop_s
         self.tok_cpu = profile.token_cpu_s
         self.jitter = list(profile.step_jitter)
+        self.timeline, self.bin_s = list(profile.load_timeline), profile.load_bin_s
         self.rng = random.Random(0)
         blocks = topo.num_kv_blocks or profile.num_kv_blocks
         kw = dict(num_blocks=blocks, block_size=profile.block_size, max_num_seqs=topo.max_num_seqs,
@@ -123,7 +124,9 @@ class Simulation:
         self.n_out: list[int] = []
         self.gap_v: list[float] = []
         self.gap_w: list[int] = []
+        self.gap_r: list[int] = []  # the request of each gap
         self.remote = 0
+        self._turn: dict[int, int] = {}
         self.done = 0
 
     # --- events -----------------------------------------------------------------------
@@ -152,7 +155,7 @@ class Simulation:
         util = {w.name: w.busy_s / now if now else 0.0 for w in workers}
         return SimResult(self.topo.label(), self.arrival, self.first, self.last, self.n_out, self.gap_v, self.gap_w,
                          util, now, wall, self.n_events, self.remote, self.done,
-                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu)
+                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu, gap_r=self.gap_r)
 
     def _arrive(self, req) -> None:
         # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
@@ -176,12 +179,29 @@ class Simulation:
         seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
         if remote:
             self.remote += 1
-            w = min(self.prefill, key=lambda w: w.queued_prefill_tokens + len(w.inbox))
+            w = self._pull(self.prefill)
         else:
-            w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+            w = self._pull(self.decode)
         # the gateway's and tokenizer's CPU for this request, on the host it is served from
         w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
         self.push(now + self.hop, self._deliver, (w, "new", seq))
+
+    def _pull(self, pool: list[SimWorker]) -> SimWorker:
+        """Which worker of ``pool`` takes the next work item: as JetStream serves the pull
+        consumers (``services/common/consumer.py``) — each worker with room (fewer than
+        ``max_num_seqs`` held) keeps one fetch waiting, and waiting fetches are served in turn,
+        whatever the worker's engine is doing; with no room anywhere, the least loaded (the
+        item waits in the stream for the first slot)."""
+        n = len(pool)
+        if n == 1:
+            return pool[0]
+        start = self._turn.get(id(pool), 0)
+        for j in range(n):
+            w = pool[(start + j) % n]
+            if w.sched.num_unfinished + len(w.inbox) < self.topo.max_num_seqs:
+                self._turn[id(pool)] = (start + j + 1) % n
+                return w
+        return min(pool, key=lambda w: w.sched.num_unfinished + len(w.inbox))
 
     def _deliver(self, now: float, arg) -> None:
         w, kind, seq = arg
@@ -190,7 +210,7 @@ class Simulation:
     def hand_off(self, t: float, seq) -> None:
         """A prefill worker staged ``seq``'s KV at ``t``; a decode worker gets it a hop later."""
         seq.stop_after_prefill = False
-        w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+        w = self._pull(self.decode)
         self.push(t + self.hop, self._deliver, (w, "kv", seq))
 
     def host_changed(self, now: float, worker: SimWorker) -> None:
@@ -201,6 +221,12 @@ class Simulation:
                     w.cut(now)
 
     # --- outputs ----------------------------------------------------------------------
+    def load_factor(self, now: float) -> float:
+        """The profile's ``load_timeline`` at ``now`` (1.0 without)."""
+        if not self.timeline or self.bin_s <= 0:
+            return 1.0
+        return self.timeline[min(int(now / self.bin_s), len(self.timeline) - 1)]
+
     def jitter_factor(self) -> float:
         """One step's draw of the profile's ``step_jitter`` (1.0 without)."""
         return self.jitter[self.rng.randrange(len(self.jitter))] if self.jitter else 1.0
@@ -219,9 +245,11 @@ class Simulation:
             for j in jit:
                 self.gap_v.append(wait + step_s * j)
                 self.gap_w.append(w)
+                self.gap_r.append(i)
         else:
             self.gap_v.append(first_end - seq.last_t)
             self.gap_w.append(1)
+            self.gap_r.append(i)
         if k > 1:
             g = (end - first_end) / (k - 1)
             if jit:
@@ -229,9 +257,11 @@ class Simulation:
                 for j in jit:
                     self.gap_v.append(g * j)
                     self.gap_w.append(w)
+                    self.gap_r.append(i)
             else:
                 self.gap_v.append(g)
                 self.gap_w.append(k - 1)
+                self.gap_r.append(i)
         seq.last_t = end
         self.n_out[i] += k
         self.last[i] = end + self.out_delay + self.tok_cpu + self.p.pipeline_s
@@ -242,11 +272,13 @@ class Simulation:
 
 
 def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,
-             max_segment: int = 4096) -> dict:
+             max_segment: int = 4096, keep: list[bool] | None = None) -> dict:
     """Replay ``requests`` (:class:`~loadtest.sim.trace.SimRequest`, arrival order) through
-    ``topo`` with ``profile``'s costs; returns :func:`loadtest.sim.metrics.summarize`'s dict.
+    ``topo`` with ``profile``'s costs; returns :func:`loadtest.sim.metrics.summarize`'s dict,
+    over the requests ``i`` with ``keep[i]`` only when ``keep`` is given (all are simulated).
 
     Raises:
         ValueError: an unknown mode.
     """
-    return summarize(Simulation(topo, profile, max_segment).run(requests), slo_ttft_s, slo_tpot_s)
+    result = Simulation(topo, profile, max_segment).run(requests)
+    return summarize(result.only(keep) if keep is not None else result, slo_ttft_s, slo_tpot_s)

@@ -128,7 +128,7 @@ def simulate_modes(profile: Profile, modes: list[str], args, vocab: int, crossov
     """The workload through each mode's twin. ``how``: ``run`` — each twin's profile is
     corrected by its measured run's own engine steps (:mod:`loadtest.sim.calibrate`, step logs
     in ``<args.out>/steps/<mode>``), then its pipeline latency set from the idle probe;
-    ``probe`` — the idle probe alone (:func:`calibrate`); ``none`` — the profile as it is."""
+    ``run-flat`` — the same without the run's load timeline; ``probe`` — the idle probe alone (:func:`calibrate`); ``none`` — the profile as it is."""
     from loadtest.sim import calibrate as cal
 
     reqs = traces.synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
@@ -137,16 +137,28 @@ def simulate_modes(profile: Profile, modes: list[str], args, vocab: int, crossov
     for name in modes:
         m = (measured or {}).get(name) or {}
         topo, prof, fitted = topos[name], profile, None
-        if how == "run":
+        if how in ("run", "run-flat"):
             logs = cal.read_step_logs(Path(args.out) / "steps" / name.replace("+", "-"))
             fitted = cal.fit(profile, logs, tuple(m["window"]) if m.get("window") else None)
-            prof, topo = cal.apply(profile, fitted), cal.calibrated_topology(topo)
+            fitted.pop("_prefill_rows", None)
+            prof, topo = cal.apply(profile, fitted, timeline=how == "run"), cal.calibrated_topology(topo)
             prof = _pipeline_from_probe(prof, topo, m.get("probe") or {}, args.short)
         elif how == "probe":
             prof = calibrate(profile, topo, m.get("probe") or {}, args.short)
-        out[name] = simulate(reqs, topo, prof, args.slo_ttft, args.slo_tpot)
+        out[name] = simulate(reqs, topo, prof, args.slo_ttft, args.slo_tpot, keep=_completed(args, name, len(reqs)))
         out[name]["calibration"] = {"step_loop_s": prof.step_loop_s, "pipeline_s": prof.pipeline_s, "fit": fitted}
     return out
+
+
+def _completed(args, mode: str, n: int) -> list[bool] | None:
+    """Which of the workload's requests (in arrival order) the measured run completed: the
+    measured percentiles count only those (a request the gateway gave up on has no TTFT), so
+    the simulated ones are taken over the same requests. None when unknown."""
+    path = Path(args.out or ".") / f"requests-{mode.replace('+', '-')}.json"
+    if not args.out or not path.exists():
+        return None
+    res = sorted(json.loads(path.read_text()), key=lambda r: r["sent_at"])
+    return [bool(r["ok"]) for r in res] if len(res) == n else None
 
 
 def _pipeline_from_probe(profile: Profile, topo: Topology, probe: dict, prompt_tokens: int) -> Profile:
@@ -233,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         measured = measure_modes(base, modes, args, vocab, args.crossover, say)
     results = {how: simulate_modes(profile, modes, args, vocab, args.crossover, measured, how)
-               for how in ("run", "probe", "none")}
+               for how in ("run", "run-flat", "probe", "none")}
     rows = compare(measured, results["run"])
     print(f"\nworkload: {args.requests} requests, Poisson {args.rate} req/s, prompts {args.short} "
           f"({(1 - args.long_share) * 100:.0f}%) / {args.long} tokens, {args.output_tokens} output tokens; "
@@ -246,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{results['run'][name]['calibration']['pipeline_s'] * 1e3:.1f} ms ({fit['steps']} steps; decode "
               f"step ratio p10/p50/p90 {'/'.join(f'{x:.2f}' for x in fit['spread'])}); load average "
               f"{measured[name].get('load_average', '?')}")
+    print("\ncalibrated on the run's steps without its load timeline (costs averaged over the run):")
+    print(table(compare(measured, results["run-flat"])))
     print("\ncalibrated on the idle probe only (the previous method):")
     print(table(compare(measured, results["probe"])))
     print("\nwithout calibration (profile alone):")
@@ -254,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "validate.json").write_text(json.dumps({"args": vars(args), "profile": profile.__dict__, "rows": rows,
                                                    "measured": measured, "simulated": results["run"],
+                                                   "simulated_flat": results["run-flat"],
                                                    "simulated_probe": results["probe"],
                                                    "simulated_uncalibrated": results["none"]}, indent=1, default=str))
     (out / "validate.md").write_text(table(rows) + "\n")

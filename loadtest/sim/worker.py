@@ -155,7 +155,7 @@ class SimWorker:
                 ctx += s.num_computed_tokens
             else:
                 prefill.append((item.num_new_tokens, s.num_computed_tokens))
-        f = self.host.factor(now, self)
+        f = self.host.factor(now, self) * self.sim.load_factor(now)
         k = 1
         if not prefill and not plan.preempted:
             k = self._segment_length(plan, batch)
