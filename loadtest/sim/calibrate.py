@@ -25,8 +25,10 @@ What is fitted, from the steps inside the workload's window:
   the services' CPU, which is busiest when both workers are) — it replaces the profile's
   ``corun_slowdown`` and the simulator's processor-sharing term (the topology's ``host_cores``
   is set to 0 by :func:`calibrated_topology`: that contention is inside the observed steps);
-* ``jitter`` — the spread of each step's time over what those ratios predict for it (twenty
-  equally likely levels, mean 1): the stretches in which other processes held the core. A
+* ``jitter`` — the spread of each decode step's time over what those ratios predict for it
+  (twenty equally likely levels, mean 1): the stretches in which other processes held the
+  core. Decode steps only, and replayed on decode steps only: a prefill step of seconds
+  averages such stalls out. A
   replay with the mean cost alone gets the median inter-token gap too long and the tail too
   short; with ``Profile.step_jitter`` each step draws a level;
 * ``load_timeline`` — observed over predicted per :data:`LOAD_BIN_S` of the run: the
@@ -210,7 +212,8 @@ def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] |
         bo[b] += o
         bp[b] += predicted(e, k, size)
     timeline = [round(bo[b] / bp[b], 4) if bp[b] > 0 else 1.0 for b in range(nbins)]
-    resid = [o / predicted(e, k, size) / timeline[int((start - t0) // LOAD_BIN_S)] for o, e, k, size, start in seen]
+    resid = [o / predicted(e, k, size) / timeline[int((start - t0) // LOAD_BIN_S)] for o, e, k, size, start in seen
+             if not k.startswith("prefill")]  # a step of seconds averages the short stalls out
     jitter = _quantiles(resid, [(i + 0.5) / JITTER_LEVELS for i in range(JITTER_LEVELS)]) if len(resid) >= 50 else []
     mean = sum(jitter) / len(jitter) if jitter else 1.0
     flat = CostModel(replace(profile, step_loop_s=0.0, prefill_attn_s=0.0))

@@ -160,7 +160,7 @@ class SimWorker:
         if not prefill and not plan.preempted:
             k = self._segment_length(plan, batch)
         t1 = self.cost.step(prefill, batch, ctx) * f
-        if k == 1 and self.sim.jitter:  # a segment's steps take their mean (sim.tokens spreads its gaps)
+        if k == 1 and not prefill and self.sim.jitter:  # decode steps; a segment's take their mean (sim.tokens spreads its gaps)
             t1 *= self.sim.jitter_factor()
         dt = self.cost.decode_step(batch, batch) * f - self.cost.decode_step(batch, 0) * f if not prefill else 0.0
         t0 = now + self.extra_s

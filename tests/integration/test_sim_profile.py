@@ -1,6 +1,7 @@
 """`pdserve profile` on the tiny model, and the simulator's agreement with the real system:
-the modes benchmark's disaggregated deployment and its simulated twin, in one run
-(loadtest/sim/validate.py, the small version of the validation table).
+the modes benchmark's disaggregated deployment and its simulated twin, in one run, the twin's
+costs corrected by the run's own engine steps (loadtest/sim/validate.py and calibrate.py, the
+small version of the validation table).
 
 The agreement check is a model check, not a timed assert: both sides run on the same machine at
 the same time, and the tolerance is generous (a factor of 2.5) because the tiny model's steps
@@ -44,6 +45,10 @@ def test_simulated_disaggregated_agrees_with_measured(tiny_model_dir, tmp_path, 
     data = json.loads((tmp_path / "validate.json").read_text())
     m, s = data["measured"]["disaggregated"], data["simulated"]["disaggregated"]
     assert m["num_ok"] == 16 and s["finished"] == 16
+    # the twin was calibrated on this run's own engine steps (both workers' step logs)
+    fit = s["calibration"]["fit"]
+    assert len(list((tmp_path / "steps" / "disaggregated").glob("*.jsonl"))) == 2
+    assert fit["steps"] > 16 and fit["decode"] > 0 and fit["prefill"] > 0
     for metric, q in (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50")):
         ratio = s[metric][q] / m[metric][q]
         assert 1 / TOLERANCE[q] <= ratio <= TOLERANCE[q], (metric, q, m[metric][q], s[metric][q])
