@@ -238,6 +238,26 @@ LOAD_BIN_S = 20.0
 MIN_POINT_STEPS = 8
 
 
+def initial_rates(logs: list[StepLog], t0: float) -> dict[str, float]:
+    """Each worker's prefill-rate EWMA (``EngineLoop._observe_rates``: steps of ≥ 32 tokens)
+    over its steps before ``t0`` — the warm-up and probe requests: what its heartbeats told
+    the conditional router when the workload began. Keyed ``<stage>-<i>`` (the launcher's
+    name, the instance id without its suffix)."""
+    out = {}
+    for log in logs:
+        name = "-".join(str(log.header.get("instance", "")).split("-")[:2])
+        rate = 0.0
+        for start, seconds, chunks, batch, _ in log.steps:
+            tokens = sum(c[0] for c in chunks) + batch
+            if start >= t0:
+                break
+            if tokens >= 32 and seconds > 0:
+                rate = tokens / seconds if not rate else 0.8 * rate + 0.2 * tokens / seconds
+        if name and rate:
+            out[name] = rate
+    return out
+
+
 def _nearest(xs: list[int], x: int) -> int:
     """Index of the table point nearest ``x`` on a log scale."""
     lx = math.log(max(x, 1))

@@ -169,10 +169,11 @@ class Simulation:
     def _route(self, now: float, req) -> None:
         remote = self.topo.mode == "disaggregated"
         if self.topo.mode == "conditional":
-            pre = [Heartbeat("prefill", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
+            # each worker reports the rate its own steps showed (0 until one has: the router's default)
+            pre = [Heartbeat("prefill", w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
                              queued_prefill_tokens=w.queued_prefill_tokens, num_running=len(w.sched.running))
                    for w in self.prefill]
-            dec = [Heartbeat("decode", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
+            dec = [Heartbeat("decode", w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
                              num_running=len(w.sched.running)) for w in self.decode]
             remote = self.router.decide(req.prompt_tokens, 0, pre, dec).target == "remote"
         bs = self.p.block_size

@@ -129,6 +129,8 @@ def simulate_modes(profile: Profile, modes: list[str], args, vocab: int, crossov
     corrected by its measured run's own engine steps (:mod:`loadtest.sim.calibrate`, step logs
     in ``<args.out>/steps/<mode>``), then its pipeline latency set from the idle probe;
     ``run-flat`` — the same without the run's load timeline; ``probe`` — the idle probe alone (:func:`calibrate`); ``none`` — the profile as it is."""
+    from dataclasses import replace
+
     from loadtest.sim import calibrate as cal
 
     reqs = traces.synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
@@ -142,6 +144,11 @@ def simulate_modes(profile: Profile, modes: list[str], args, vocab: int, crossov
             fitted = cal.fit(profile, logs, tuple(m["window"]) if m.get("window") else None)
             fitted.pop("_prefill_rows", None)
             prof, topo = cal.apply(profile, fitted, timeline=how == "run"), cal.calibrated_topology(topo)
+            if m.get("window"):
+                rates = cal.initial_rates(logs, m["window"][0])
+                if topo.mode == "aggregated":  # the launcher's decode-i are the twin's worker-i
+                    rates = {k.replace("decode-", "worker-"): v for k, v in rates.items()}
+                topo = replace(topo, extra={**topo.extra, "prefill_rates": rates})
             prof = _pipeline_from_probe(prof, topo, m.get("probe") or {}, args.short)
         elif how == "probe":
             prof = calibrate(profile, topo, m.get("probe") or {}, args.short)
@@ -162,14 +169,29 @@ def _completed(args, mode: str, n: int) -> list[bool] | None:
 
 
 def _pipeline_from_probe(profile: Profile, topo: Topology, probe: dict, prompt_tokens: int) -> Profile:
-    """``pipeline_s`` set so that the idle probe request gets its measured TTFT."""
+    """``pipeline_s`` set so that the idle probe request gets its measured TTFT. When the
+    replay is slower than the probe even without it, the short prompt's prefill is what is
+    too long: a loaded run prefills short prompts only batched with others (or not alone),
+    so its steps say little about them, and the probe — one short prompt alone, measured
+    just before the run — bounds it; the prefill table up to the probe's length is scaled
+    down to fit (never below 2%)."""
     from dataclasses import replace
+
+    from loadtest.sim.calibrate import _monotone
+    from loadtest.sim.profile import CostModel
 
     if not probe:
         return profile
     p0 = replace(profile, pipeline_s=0.0)
-    s = simulate([traces.SimRequest(0, 0.0, prompt_tokens, PROBE_TOKENS)], topo, p0)
-    return replace(p0, pipeline_s=max(0.0, probe["ttft"] - s["ttft"]["p50"]))
+    one = [traces.SimRequest(0, 0.0, prompt_tokens, PROBE_TOKENS)]
+    gap = probe["ttft"] - simulate(one, topo, replace(p0, load_timeline=[]))["ttft"]["p50"]
+    if gap < 0:
+        pf = CostModel(p0).prefill(prompt_tokens)
+        f = max(0.02, (pf + gap) / pf) if pf > 0 else 1.0
+        hi = next((t for t in p0.prefill_tokens if t >= prompt_tokens), p0.prefill_tokens[-1])
+        p0 = replace(p0, prefill_s=_monotone([x * f if t <= hi else x for t, x in zip(p0.prefill_tokens, p0.prefill_s)]))
+        gap = probe["ttft"] - simulate(one, topo, replace(p0, load_timeline=[]))["ttft"]["p50"]
+    return replace(p0, pipeline_s=max(0.0, gap))
 
 
 def _mix(args) -> list[tuple[int, float]]:

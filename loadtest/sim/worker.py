@@ -104,6 +104,9 @@ class SimWorker:
         self.version = 0  # bumps when the pending segment event is replaced
         self.seg = None  # (t0, k, t1, dt, factor, plan) of the segment in flight
         self.queued_prefill_tokens = 0
+        # EWMA tokens/s of steps of ≥ 32 tokens, as EngineLoop reports it; a replay of a measured
+        # run starts from what the real worker's warm-up left (Topology.extra["prefill_rates"])
+        self.prefill_rate = float(sim.topo.extra.get("prefill_rates", {}).get(name, 0.0))
 
     # --- arrivals ---------------------------------------------------------------------
     def deliver(self, now: float, kind: str, seq: SimSeq) -> None:
@@ -222,6 +225,11 @@ class SimWorker:
         t0, k, t1, dt, plan = self.seg
         self.seg = None
         self.busy_s += now - t0
+        if k == 1 and now > t0:  # services/common/engine_loop.py EngineLoop._observe_rates
+            tokens = sum(it.num_new_tokens for it in plan.scheduled)
+            if tokens >= 32:
+                rate = tokens / (now - t0)
+                self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
         sim = self.sim
         for item in plan.scheduled:
             seq = item.seq
