@@ -46,6 +46,7 @@ class Topology:
         max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens: engine settings
             (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
         local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
+        heartbeat_s: the workers' heartbeat period: how stale the router's view is.
         tokenizers: tokenizer replicas.
         num_kv_blocks: KV blocks per worker (0 = the profile's).
     """
@@ -63,6 +64,7 @@ class Topology:
     tokenizers: int = 1
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
+    heartbeat_s: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def label(self) -> str:
@@ -127,6 +129,7 @@ class Simulation:
         self.gap_r: list[int] = []  # the request of each gap
         self.remote = 0
         self._turn: dict[int, int] = {}
+        self._hb: dict[str, Heartbeat] = {}
         self.done = 0
 
     # --- events -----------------------------------------------------------------------
@@ -169,12 +172,8 @@ class Simulation:
     def _route(self, now: float, req) -> None:
         remote = self.topo.mode == "disaggregated"
         if self.topo.mode == "conditional":
-            # each worker reports the rate its own steps showed (0 until one has: the router's default)
-            pre = [Heartbeat("prefill", w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
-                             queued_prefill_tokens=w.queued_prefill_tokens, num_running=len(w.sched.running))
-                   for w in self.prefill]
-            dec = [Heartbeat("decode", w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
-                             num_running=len(w.sched.running)) for w in self.decode]
+            pre = [self._heartbeat(now, w) for w in self.prefill]
+            dec = [self._heartbeat(now, w) for w in self.decode]
             remote = self.router.decide(req.prompt_tokens, 0, pre, dec).target == "remote"
         bs = self.p.block_size
         seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
@@ -186,6 +185,19 @@ class Simulation:
         # the gateway's and tokenizer's CPU for this request, on the host it is served from
         w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
         self.push(now + self.hop, self._deliver, (w, "new", seq))
+
+    def _heartbeat(self, now: float, w: SimWorker) -> Heartbeat:
+        """What the router knows of ``w``: its last heartbeat, sent every ``heartbeat_s``
+        (``PD_HEARTBEAT_INTERVAL_S``; 0 = always current) — the rate its own steps showed (0
+        until one has: the router's default), its queued prompt tokens, its running count."""
+        last = self._hb.get(w.name)
+        if last is not None and now - last.sent_at < self.topo.heartbeat_s:
+            return last
+        hb = Heartbeat(w.role, w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
+                       queued_prefill_tokens=w.queued_prefill_tokens if w.role == "prefill" else 0,
+                       num_running=len(w.sched.running))
+        self._hb[w.name] = hb
+        return hb
 
     def _pull(self, pool: list[SimWorker]) -> SimWorker:
         """Which worker of ``pool`` takes the next work item: as JetStream serves the pull

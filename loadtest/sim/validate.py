@@ -71,7 +71,8 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
         settings = base.replace(step_log_dir=str(steps)) if steps else base
         with Deployed(settings, plans[name]) as dep:
             asyncio.run(_ttft(dep.url, model, random_tokens(random.Random(9), 16, vocab)))
-            probe = asyncio.run(_probe(dep.url, model, random_tokens(random.Random(11), args.short, vocab)))
+            rng = random.Random(11)  # a new prompt each time: a repeat would be a prefix-cache hit
+            probe = asyncio.run(_probe(dep.url, model, [random_tokens(rng, args.short, vocab) for _ in range(3)]))
             specs = synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
             t0 = time.perf_counter()
             res, wall = asyncio.run(run_workload(dep.url, model, specs, extra={"ignore_eos": True}, progress=False))
@@ -89,8 +90,9 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
 PROBE_TOKENS = 16
 
 
-async def _probe(url: str, model: str, prompt: list[int], n: int = 3) -> dict:
-    """Median TTFT and ITL of ``n`` requests sent one at a time to the idle deployment."""
+async def _probe(url: str, model: str, prompts: list[list[int]]) -> dict:
+    """Median TTFT and ITL of ``prompts`` sent one at a time to the idle deployment (distinct
+    prompts: a repeated one would hit the prefix cache and time no prefill)."""
     import statistics
 
     import httpx
@@ -99,7 +101,7 @@ async def _probe(url: str, model: str, prompt: list[int], n: int = 3) -> dict:
 
     ttfts, itls = [], []
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        for _ in range(n):
+        for prompt in prompts:
             r = await send_one(client, model, RequestSpec(0, prompt, PROBE_TOKENS, chat=False), extra={"ignore_eos": True})
             if r.ok:
                 ttfts.append(r.ttft_s)
@@ -169,28 +171,15 @@ def _completed(args, mode: str, n: int) -> list[bool] | None:
 
 
 def _pipeline_from_probe(profile: Profile, topo: Topology, probe: dict, prompt_tokens: int) -> Profile:
-    """``pipeline_s`` set so that the idle probe request gets its measured TTFT. When the
-    replay is slower than the probe even without it, the short prompt's prefill is what is
-    too long: a loaded run prefills short prompts only batched with others (or not alone),
-    so its steps say little about them, and the probe — one short prompt alone, measured
-    just before the run — bounds it; the prefill table up to the probe's length is scaled
-    down to fit (never below 2%)."""
+    """``pipeline_s`` set so that the idle probe request gets its measured TTFT (0 when the
+    replay is slower than the probe already)."""
     from dataclasses import replace
-
-    from loadtest.sim.calibrate import _monotone
-    from loadtest.sim.profile import CostModel
 
     if not probe:
         return profile
     p0 = replace(profile, pipeline_s=0.0)
     one = [traces.SimRequest(0, 0.0, prompt_tokens, PROBE_TOKENS)]
     gap = probe["ttft"] - simulate(one, topo, replace(p0, load_timeline=[]))["ttft"]["p50"]
-    if gap < 0:
-        pf = CostModel(p0).prefill(prompt_tokens)
-        f = max(0.02, (pf + gap) / pf) if pf > 0 else 1.0
-        hi = next((t for t in p0.prefill_tokens if t >= prompt_tokens), p0.prefill_tokens[-1])
-        p0 = replace(p0, prefill_s=_monotone([x * f if t <= hi else x for t, x in zip(p0.prefill_tokens, p0.prefill_s)]))
-        gap = probe["ttft"] - simulate(one, topo, replace(p0, load_timeline=[]))["ttft"]["p50"]
     return replace(p0, pipeline_s=max(0.0, gap))
 
 
