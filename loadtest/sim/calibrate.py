@@ -137,9 +137,10 @@ def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] |
         window: (start, end) on the step logs' clock; steps outside are ignored.
 
     Returns:
-        ``{"decode", "prefill", "corun", "step_loop_s", "steps", "spread"}`` — ``spread`` is
-        the (p10, p50, p90) of per-step ratios of alone decode steps (the run's jitter, which a
-        deterministic replay does not have). Ratios default to 1.0 where there were no steps.
+        ``{"decode", "prefill", "corun", "decode_by_batch", "prefill_by_tokens", "jitter",
+        "load_timeline", "step_loop_s", "steps", "spread", "seconds"}`` (module doc) —
+        ``spread`` is the (p10, p50, p90) of per-step ratios of alone decode steps, ``seconds``
+        the observed seconds by kind of step. Ratios default to 1.0 where there were no steps.
     """
     cost = CostModel(replace(profile, step_loop_s=0.0))
     busy = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -117,3 +118,23 @@ def test_jitter_spreads_gaps_around_the_same_mean():
     assert jit["itl"]["mean"] == pytest.approx(plain["itl"]["mean"], rel=0.05)
     assert jit["itl"]["p90"] > 1.2 * plain["itl"]["p90"]
     assert jit["itl"]["p50"] < plain["itl"]["p90"]
+
+
+def test_load_timeline_follows_the_machine_and_the_replay_meets_it(tmp_path):
+    """Decode steps at the profile's cost for 20 s, then twice it for 20 s: the second bin's
+    factor is twice the first's; a lone request replayed in a slow bin takes that much longer."""
+    prof = _profile()
+    cost = CostModel(prof)
+    steps, t = [], 0.0
+    while t < 2 * calibrate.LOAD_BIN_S:
+        dt = cost.decode_step(8, 0) * (1.0 if t < calibrate.LOAD_BIN_S else 2.0)
+        steps.append([t, dt, [], 8, 0])
+        t += dt
+    (tmp_path / "w.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path), (0.0, t))
+    tl = f["load_timeline"]
+    assert len(tl) == 2 and tl[1] / tl[0] == pytest.approx(2.0, rel=0.02)
+    topo = Topology(mode="aggregated", workers=1)
+    early = simulate([trace.SimRequest(0, 1.0, 96, 8)], topo, replace(prof, load_timeline=[1.0, 2.0], load_bin_s=20.0))
+    late = simulate([trace.SimRequest(0, 21.0, 96, 8)], topo, replace(prof, load_timeline=[1.0, 2.0], load_bin_s=20.0))
+    assert late["tpot"]["p50"] == pytest.approx(2 * early["tpot"]["p50"], rel=1e-6)
