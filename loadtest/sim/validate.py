@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
     """Run the real deployments; {mode: loadtest.client.Summary as a dict, with the idle
     ``probe`` and the workload's ``window`` on the host's monotonic clock}. With ``args.out``
     each model worker's step log lands in ``<out>/steps/<mode>/`` and each request's timings in
-    ``<out>/requests-<mode>.json``."""
+    ``<out>/requests-<mode>.json``, its services' logs in ``<out>/logs/<mode>``."""
     import random
     from dataclasses import asdict
 
@@ -84,6 +85,9 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
                 (Path(args.out) / "measured.json").write_text(json.dumps(out, indent=1, default=str))
                 (Path(args.out) / f"requests-{name.replace('+', '-')}.json").write_text(
                     json.dumps([asdict(r) for r in res], default=str))
+                # the services' logs (the tokenizer's `route` decisions among them) outlive the deployment
+                shutil.copytree(dep.state_dir / "logs", Path(args.out) / "logs" / name.replace("+", "-"),
+                                dirs_exist_ok=True)
     return out
 
 
