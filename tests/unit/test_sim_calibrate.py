@@ -23,12 +23,12 @@ def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004,
     rng = random.Random(1)
     logs = {0: [], 1: []}
     t = 100.0
-    for i in range(400):  # worker 0 alone: decode steps of 8 sequences
+    for _ in range(400):  # worker 0 alone: decode steps of 8 sequences
         dt = cost.decode_step(8, 8 * 200) * decode * rng.choice(jitter)
         logs[0].append([t, dt, [], 8, 8 * 200])
         t += dt + gap
     t1 = t
-    for i in range(200):  # both: worker 1 prefills 256-token chunks while worker 0 decodes
+    for _ in range(200):  # both: worker 1 prefills 256-token chunks while worker 0 decodes
         dt = cost.step([(256, 0)], 0, 0) * prefill * corun * rng.choice(jitter)
         logs[1].append([t1, dt, [[256, 0]], 0, 0])
         t1 += dt
@@ -38,7 +38,7 @@ def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004,
         logs[0].append([u, dt, [], 8, 8 * 200])
         u += dt + gap
     # worker 1 alone afterwards: prefill steps
-    for i in range(200):
+    for _ in range(200):
         dt = cost.step([(256, 0)], 0, 0) * prefill * rng.choice(jitter)
         logs[1].append([t1 + 1.0, dt, [[256, 0]], 0, 0])
         t1 += dt + 0.01
