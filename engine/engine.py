@@ -67,6 +67,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        #: when a list, :meth:`step` appends one :func:`step_record` per step (the step log)
+        self.step_log: list | None = None
         self.grammar = LazyGrammar(self.runner, mc.vocab_size, self.eos_token_ids)  # constrained decoding
 
     def _enable_cuda_graphs(self) -> None:
@@ -314,10 +316,14 @@ class LLMEngine:
         started = time.perf_counter()
         self.stats.last_step_tokens = plan.num_batched_tokens
         self.stats.last_step_seqs = len(plan.scheduled)
+        shape = step_shape(plan.scheduled) if self.step_log is not None else None
         result = self.runner.execute(plan.scheduled)
         outputs = self._update(plan.scheduled, result)
         self.stats.num_steps += 1
-        self.stats.step_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.step_seconds += elapsed
+        if shape is not None:
+            self.step_log.append((started, elapsed, *shape))
         return outputs
 
     def _update(self, scheduled, result) -> list[StepOutput]:
@@ -401,3 +407,19 @@ def eos_ids_of(model: torch.nn.Module) -> set[int]:
 
 def block_for(bm: BlockManager, block_id: int) -> KVBlock:
     return bm.blocks[block_id]
+
+
+def step_shape(scheduled) -> tuple[list[list[int]], int, int]:
+    """What a step computes, in the simulator's cost terms (``loadtest/sim/profile.py``):
+    ``([[chunk tokens, context tokens before the chunk], ...], decode batch, decode context
+    tokens)`` — a decode is a one-token item of a sequence past its prompt (as :meth:`LLMEngine._update`
+    counts it). Read before the step runs."""
+    prefill, batch, ctx = [], 0, 0
+    for item in scheduled:
+        seq = item.seq
+        if item.num_new_tokens == 1 and 0 < seq.num_computed_tokens and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            batch += 1
+            ctx += seq.num_computed_tokens
+        else:
+            prefill.append([item.num_new_tokens, seq.num_computed_tokens])
+    return prefill, batch, ctx

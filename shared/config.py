@@ -273,6 +273,13 @@ class Settings:
     max_deliver: int = _doc("Deliveries of one work item before it is given up.", default=5)
     tokenizer_concurrency: int = _doc("Tasks one tokenizer worker holds at once.", default=64)
 
+    step_log_dir: str = _doc(
+        "Folder where each model worker appends one JSON line per engine step (start, seconds, "
+        "prefill chunks, decode batch and context): the simulator's calibration input "
+        "(`pdserve bench sim-validate`). Empty = off.",
+        default="",
+    )
+
     # --- logging ------------------------------------------------------------------------
     log_level: str = _doc("DEBUG, INFO, WARNING or ERROR.", default="INFO")
     log_json: bool = _doc("JSON logs (true) or human-readable console logs (false).", default=True)

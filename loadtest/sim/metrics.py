@@ -32,6 +32,19 @@ class SimResult:
     finished: int
     preemptions: int = 0
     cpu_s: float = 0.0
+    gap_r: list[int] | None = None  # the request of each gap
+
+    def only(self, keep: list[bool]) -> SimResult:
+        """The same run counting only requests ``i`` with ``keep[i]`` (e.g. those a measured
+        run completed), their gaps included."""
+        from dataclasses import replace
+
+        nan = float("nan")
+        gi = [j for j, r in enumerate(self.gap_r or []) if keep[r]]
+        return replace(self, first=[f if k else nan for f, k in zip(self.first, keep)],
+                       last=[x if k else nan for x, k in zip(self.last, keep)],
+                       gap_v=[self.gap_v[j] for j in gi], gap_w=[self.gap_w[j] for j in gi],
+                       gap_r=[self.gap_r[j] for j in gi])
 
 
 def weighted_percentiles(values, weights, qs=(50, 90, 99)) -> dict:

@@ -13,7 +13,12 @@ NVIDIA Dynamo ``docs/architecture/sla_planner.md``):
   the measured ``prefill_tokens``/``prefill_s`` table at empty context;
 * decode step of ``B`` sequences holding ``C`` context tokens in all:
   ``decode(B) + decode_ctx_s * C`` — ``decode(B)`` interpolated in ``decode_batch``/``decode_s``;
-* a mixed step (chunked prefill beside decodes): ``prefill(n) + decode(B) − step_fixed_s``
+* several prompts' chunks in one step: one forward over their ``N = Σ n`` tokens,
+  ``prefill(N)`` less the self-attention between different chunks the table's ``N``-token
+  prompt had (``prefill_attn_s · (N² − Σ n²) / 2``), plus each chunk's attention to its own
+  context (the engine batches the chunks into one model call; their cost is not a sum of
+  one-prompt steps);
+* a mixed step (chunked prefill beside decodes): ``prefill(...) + decode(B) − step_fixed_s``
   (the fixed per-step cost — weights read once, Python overhead — is paid once).
 
 The interpolations are tabulated once per integer argument (:meth:`CostModel.decode_step`
@@ -58,6 +63,13 @@ class Profile:
             modelled ones; calibrated from an idle request's TTFT.
         corun_slowdown: step-time factor when another model worker on the same host is busy
             (shared memory bandwidth and caches), 1.0 = none.
+        step_jitter: equally likely factors (mean 1) one step's time is multiplied by — the
+            spread of observed over predicted step times of a run on a shared machine (other
+            processes taking the core for a while), measured by :mod:`loadtest.sim.calibrate`;
+            empty = steps take exactly their predicted time.
+        load_timeline, load_bin_s: step-time factor per ``load_bin_s`` seconds from the
+            simulation's start (last one held after): a measured run's machine speed over time
+            (:mod:`loadtest.sim.calibrate`), replayed to validate against that run; empty = 1.
         host_cores: cores of the host the profile was measured on.
         num_kv_blocks, block_size: one worker's KV pool.
         sources: where each cited number comes from (cited profiles), or how it was measured.
@@ -88,6 +100,9 @@ class Profile:
     step_loop_s: float = 0.0
     pipeline_s: float = 0.0
     corun_slowdown: float = 1.0
+    step_jitter: list[float] = field(default_factory=list)
+    load_timeline: list[float] = field(default_factory=list)
+    load_bin_s: float = 0.0
     host_cores: int = 0
     num_kv_blocks: int = 4096
     block_size: int = 16
@@ -172,10 +187,19 @@ class CostModel:
         """Seconds of one step: ``prefill_chunks`` as (new tokens, computed before) pairs, beside
         ``batch`` decoding sequences holding ``context_tokens``."""
         t = self.loop
-        for n, c in prefill_chunks:
+        if len(prefill_chunks) == 1:
+            n, c = prefill_chunks[0]
             t += self.prefill(n) + self.attn * n * c
+        elif prefill_chunks:
+            # one forward over all chunks: the linear layers see their total, attention is per
+            # sequence (the table's prefill(N) holds N²/2 pairs of self-attention; the chunks
+            # have Σ n²/2 among themselves and n·c with their contexts)
+            total = sum(n for n, _ in prefill_chunks)
+            cross = self.attn * (total * total - sum(n * n for n, _ in prefill_chunks)) / 2
+            # never below the largest chunk alone (a profile whose attention term outgrows its table)
+            t += max(self.prefill(total) - cross, max(self.prefill(n) for n, _ in prefill_chunks))
+            t += self.attn * sum(n * c for n, c in prefill_chunks)
         if prefill_chunks:
-            t -= self.fixed * (len(prefill_chunks) - 1)
             if batch:
                 t += self.decode_step(batch, context_tokens) - self.fixed
             return t

@@ -20,6 +20,7 @@ SLOs, per-worker utilization, and the simulator's own speed.
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -38,11 +39,14 @@ class Topology:
         mode: ``aggregated`` (``workers`` aggregated workers), ``disaggregated`` (``prefill``
             + ``decode`` workers) or ``conditional`` (the same, routed per request).
         workers, prefill, decode: worker counts.
-        host_cores: cores per host (0 = not modelled: each worker has its own, e.g. a GPU).
-        workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores).
+        host_cores: cores per host (0 = processor sharing not modelled: a GPU-class worker, or
+            a calibrated replay whose contention is in the profile's co-run factor).
+        workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores);
+            the profile's ``corun_slowdown`` applies among them.
         max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens: engine settings
             (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
         local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
+        heartbeat_s: the workers' heartbeat period: how stale the router's view is.
         tokenizers: tokenizer replicas.
         num_kv_blocks: KV blocks per worker (0 = the profile's).
     """
@@ -60,6 +64,7 @@ class Topology:
     tokenizers: int = 1
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
+    heartbeat_s: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def label(self) -> str:
@@ -85,6 +90,9 @@ class Simulation:
         self.hop = profile.bus_hop_s
         self.out_delay = 2 * profile.bus_hop_s
         self.tok_cpu = profile.token_cpu_s
+        self.jitter = list(profile.step_jitter)
+        self.timeline, self.bin_s = list(profile.load_timeline), profile.load_bin_s
+        self.rng = random.Random(0)
         blocks = topo.num_kv_blocks or profile.num_kv_blocks
         kw = dict(num_blocks=blocks, block_size=profile.block_size, max_num_seqs=topo.max_num_seqs,
                   max_num_batched_tokens=topo.max_num_batched_tokens,
@@ -118,7 +126,10 @@ class Simulation:
         self.n_out: list[int] = []
         self.gap_v: list[float] = []
         self.gap_w: list[int] = []
+        self.gap_r: list[int] = []  # the request of each gap
         self.remote = 0
+        self._turn: dict[int, int] = {}
+        self._hb: dict[str, Heartbeat] = {}
         self.done = 0
 
     # --- events -----------------------------------------------------------------------
@@ -147,7 +158,7 @@ class Simulation:
         util = {w.name: w.busy_s / now if now else 0.0 for w in workers}
         return SimResult(self.topo.label(), self.arrival, self.first, self.last, self.n_out, self.gap_v, self.gap_w,
                          util, now, wall, self.n_events, self.remote, self.done,
-                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu)
+                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu, gap_r=self.gap_r)
 
     def _arrive(self, req) -> None:
         # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
@@ -161,22 +172,49 @@ class Simulation:
     def _route(self, now: float, req) -> None:
         remote = self.topo.mode == "disaggregated"
         if self.topo.mode == "conditional":
-            pre = [Heartbeat("prefill", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
-                             queued_prefill_tokens=w.queued_prefill_tokens, num_running=len(w.sched.running))
-                   for w in self.prefill]
-            dec = [Heartbeat("decode", w.name, "", now, prefill_tokens_per_s=self.cost.prefill_rate(),
-                             num_running=len(w.sched.running)) for w in self.decode]
+            pre = [self._heartbeat(now, w) for w in self.prefill]
+            dec = [self._heartbeat(now, w) for w in self.decode]
             remote = self.router.decide(req.prompt_tokens, 0, pre, dec).target == "remote"
         bs = self.p.block_size
         seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
         if remote:
             self.remote += 1
-            w = min(self.prefill, key=lambda w: w.queued_prefill_tokens + len(w.inbox))
+            w = self._pull(self.prefill)
         else:
-            w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+            w = self._pull(self.decode)
         # the gateway's and tokenizer's CPU for this request, on the host it is served from
         w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
         self.push(now + self.hop, self._deliver, (w, "new", seq))
+
+    def _heartbeat(self, now: float, w: SimWorker) -> Heartbeat:
+        """What the router knows of ``w``: its last heartbeat, sent every ``heartbeat_s``
+        (``PD_HEARTBEAT_INTERVAL_S``; 0 = always current) — the rate its own steps showed (0
+        until one has: the router's default), its queued prompt tokens, its running count."""
+        last = self._hb.get(w.name)
+        if last is not None and now - last.sent_at < self.topo.heartbeat_s:
+            return last
+        hb = Heartbeat(w.role, w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
+                       queued_prefill_tokens=w.queued_prefill_tokens if w.role == "prefill" else 0,
+                       num_running=len(w.sched.running))
+        self._hb[w.name] = hb
+        return hb
+
+    def _pull(self, pool: list[SimWorker]) -> SimWorker:
+        """Which worker of ``pool`` takes the next work item: as JetStream serves the pull
+        consumers (``services/common/consumer.py``) — each worker with room (fewer than
+        ``max_num_seqs`` held) keeps one fetch waiting, and waiting fetches are served in turn,
+        whatever the worker's engine is doing; with no room anywhere, the least loaded (the
+        item waits in the stream for the first slot)."""
+        n = len(pool)
+        if n == 1:
+            return pool[0]
+        start = self._turn.get(id(pool), 0)
+        for j in range(n):
+            w = pool[(start + j) % n]
+            if w.sched.num_unfinished + len(w.inbox) < self.topo.max_num_seqs:
+                self._turn[id(pool)] = (start + j + 1) % n
+                return w
+        return min(pool, key=lambda w: w.sched.num_unfinished + len(w.inbox))
 
     def _deliver(self, now: float, arg) -> None:
         w, kind, seq = arg
@@ -185,28 +223,58 @@ class Simulation:
     def hand_off(self, t: float, seq) -> None:
         """A prefill worker staged ``seq``'s KV at ``t``; a decode worker gets it a hop later."""
         seq.stop_after_prefill = False
-        w = min(self.decode, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+        w = self._pull(self.decode)
         self.push(t + self.hop, self._deliver, (w, "kv", seq))
 
     def host_changed(self, now: float, worker: SimWorker) -> None:
         """A worker went busy or idle: the others of its host re-time from their next step."""
-        if worker.host.cores:
+        if len(worker.host.workers) > 1:
             for w in worker.host.workers:
                 if w is not worker and w.busy:
                     w.cut(now)
 
     # --- outputs ----------------------------------------------------------------------
-    def tokens(self, seq, first_end: float, end: float, k: int, host: Host) -> None:
-        """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``."""
+    def load_factor(self, now: float) -> float:
+        """The profile's ``load_timeline`` at ``now`` (1.0 without)."""
+        if not self.timeline or self.bin_s <= 0:
+            return 1.0
+        return self.timeline[min(int(now / self.bin_s), len(self.timeline) - 1)]
+
+    def jitter_factor(self) -> float:
+        """One step's draw of the profile's ``step_jitter`` (1.0 without)."""
+        return self.jitter[self.rng.randrange(len(self.jitter))] if self.jitter else 1.0
+
+    def tokens(self, seq, first_end: float, end: float, k: int, host: Host, step_s: float = 0.0) -> None:
+        """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``; a
+        segment's steps take ``step_s`` (its first) and more. With ``step_jitter`` a segment's
+        gaps are spread over its factors (each gap once per factor, weight 1/len): the segment's
+        length is that of its mean step, its gaps are distributed as jittered steps would be."""
         i = seq.req.idx
+        jit = self.jitter if k > 1 else ()
         if seq.last_t < 0:
             self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+        elif jit:
+            wait, w = first_end - seq.last_t - step_s, 1 / len(jit)
+            for j in jit:
+                self.gap_v.append(wait + step_s * j)
+                self.gap_w.append(w)
+                self.gap_r.append(i)
         else:
             self.gap_v.append(first_end - seq.last_t)
             self.gap_w.append(1)
+            self.gap_r.append(i)
         if k > 1:
-            self.gap_v.append((end - first_end) / (k - 1))
-            self.gap_w.append(k - 1)
+            g = (end - first_end) / (k - 1)
+            if jit:
+                w = (k - 1) / len(jit)
+                for j in jit:
+                    self.gap_v.append(g * j)
+                    self.gap_w.append(w)
+                    self.gap_r.append(i)
+            else:
+                self.gap_v.append(g)
+                self.gap_w.append(k - 1)
+                self.gap_r.append(i)
         seq.last_t = end
         self.n_out[i] += k
         self.last[i] = end + self.out_delay + self.tok_cpu + self.p.pipeline_s
@@ -217,11 +285,13 @@ class Simulation:
 
 
 def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,
-             max_segment: int = 4096) -> dict:
+             max_segment: int = 4096, keep: list[bool] | None = None) -> dict:
     """Replay ``requests`` (:class:`~loadtest.sim.trace.SimRequest`, arrival order) through
-    ``topo`` with ``profile``'s costs; returns :func:`loadtest.sim.metrics.summarize`'s dict.
+    ``topo`` with ``profile``'s costs; returns :func:`loadtest.sim.metrics.summarize`'s dict,
+    over the requests ``i`` with ``keep[i]`` only when ``keep`` is given (all are simulated).
 
     Raises:
         ValueError: an unknown mode.
     """
-    return summarize(Simulation(topo, profile, max_segment).run(requests), slo_ttft_s, slo_tpot_s)
+    result = Simulation(topo, profile, max_segment).run(requests)
+    return summarize(result.only(keep) if keep is not None else result, slo_ttft_s, slo_tpot_s)

@@ -14,6 +14,7 @@ block ids were taken.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from engine.block_manager import BlockManager
@@ -30,6 +31,16 @@ class SimSeq(Sequence):
 
     __slots__ = ("req", "last_t", "max_out")
 
+    def update_block_hashes(self) -> None:
+        """Name blocks past the trace's prompt hashes (output blocks, all placeholder tokens) by
+        their parent's hash alone: unique per prefix, as the engine's are, without hashing
+        placeholder token ids (a sixth of the simulator's time on long-output traces)."""
+        hashes = self.block_hashes
+        num_full = len(self.token_ids) // self.block_size
+        while len(hashes) < num_full:
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hashlib.blake2b(parent, digest_size=16, person=b"pdserve-sim-out").digest())
+
 
 def new_seq(req, block_size: int, hashes: list[bytes], prefill_only: bool) -> SimSeq:
     """A sequence for ``req`` (a :class:`~loadtest.sim.trace.SimRequest`) whose token ids are
@@ -43,10 +54,11 @@ def new_seq(req, block_size: int, hashes: list[bytes], prefill_only: bool) -> Si
 class Host:
     """A machine's cores, shared by its model workers and the pipeline's services.
 
-    ``cores`` 0 = not modelled (a GPU-class worker with its own host). Otherwise a step's time
-    is multiplied by :meth:`factor`: ``corun_slowdown`` when another worker of the host is busy
-    (shared memory bandwidth), and processor sharing when busy workers plus the services' CPU
-    demand (tokenizer, detokenize, SSE: an exponential average over ``tau_s``) exceed the cores.
+    A step's time is multiplied by :meth:`factor`: ``corun_slowdown`` when another worker of the
+    host is busy (shared memory bandwidth), and — unless ``cores`` is 0 (not modelled: a
+    GPU-class worker, or a calibrated run whose contention is in the fitted co-run ratio) —
+    processor sharing when busy workers plus the services' CPU demand (tokenizer, detokenize,
+    SSE: an exponential average over ``tau_s``) exceed the cores.
     """
 
     def __init__(self, cores: int, corun_slowdown: float = 1.0, tau_s: float = 2.0):
@@ -64,10 +76,12 @@ class Host:
         return self._acc * math.exp(-(now - self._at) / self.tau) / self.tau
 
     def factor(self, now: float, worker: SimWorker) -> float:
-        if not self.cores:
+        if len(self.workers) < 2 and not self.cores:
             return 1.0
         busy = sum(1 for w in self.workers if w.busy and w is not worker) + 1
         f = self.corun if busy > 1 else 1.0
+        if not self.cores:
+            return f
         demand = busy + self.service_load(now)
         return f * max(1.0, demand / self.cores)
 
@@ -90,6 +104,9 @@ class SimWorker:
         self.version = 0  # bumps when the pending segment event is replaced
         self.seg = None  # (t0, k, t1, dt, factor, plan) of the segment in flight
         self.queued_prefill_tokens = 0
+        # EWMA tokens/s of steps of ≥ 32 tokens, as EngineLoop reports it; a replay of a measured
+        # run starts from what the real worker's warm-up left (Topology.extra["prefill_rates"])
+        self.prefill_rate = float(sim.topo.extra.get("prefill_rates", {}).get(name, 0.0))
 
     # --- arrivals ---------------------------------------------------------------------
     def deliver(self, now: float, kind: str, seq: SimSeq) -> None:
@@ -141,11 +158,13 @@ class SimWorker:
                 ctx += s.num_computed_tokens
             else:
                 prefill.append((item.num_new_tokens, s.num_computed_tokens))
-        f = self.host.factor(now, self)
+        f = self.host.factor(now, self) * self.sim.load_factor(now)
         k = 1
         if not prefill and not plan.preempted:
             k = self._segment_length(plan, batch)
         t1 = self.cost.step(prefill, batch, ctx) * f
+        if k == 1 and not prefill and self.sim.jitter:  # decode steps; a segment's take their mean (sim.tokens spreads its gaps)
+            t1 *= self.sim.jitter_factor()
         dt = self.cost.decode_step(batch, batch) * f - self.cost.decode_step(batch, 0) * f if not prefill else 0.0
         t0 = now + self.extra_s
         self.busy_s += self.extra_s
@@ -206,6 +225,11 @@ class SimWorker:
         t0, k, t1, dt, plan = self.seg
         self.seg = None
         self.busy_s += now - t0
+        if k == 1 and now > t0:  # services/common/engine_loop.py EngineLoop._observe_rates
+            tokens = sum(it.num_new_tokens for it in plan.scheduled)
+            if tokens >= 32:
+                rate = tokens / (now - t0)
+                self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
         sim = self.sim
         for item in plan.scheduled:
             seq = item.seq
@@ -220,7 +244,8 @@ class SimWorker:
                 continue
             first_end = t0 + t1
             if k > 1:
-                self.bm.allocate(seq, k - 1)
+                if -(-(seq.num_computed_tokens + k - 1) // self.block_size) > len(seq.block_table):
+                    self.bm.allocate(seq, k - 1)
                 seq.num_computed_tokens += k - 1
                 seq.token_ids.extend([0] * k)
             else:
@@ -228,7 +253,7 @@ class SimWorker:
             seq.update_block_hashes()
             if item.num_new_tokens > 1:  # a prompt just completed: its blocks become findable
                 self.bm.cache_full_blocks(seq)
-            sim.tokens(seq, first_end, now, k, self.host)
+            sim.tokens(seq, first_end, now, k, self.host, t1)
             if seq.stop_after_prefill:
                 self.sched.finish(seq, None)
                 if seq.num_output_tokens < seq.max_out:

@@ -10,6 +10,7 @@ engine needs no locks.
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 import time
@@ -33,6 +34,10 @@ class EngineLoop:
         on_step_error: called on the event loop with the request ids of a step that raised;
             those requests have been aborted in the engine.
         metrics: the stage's StageMetrics (step time, tokens and sequences per step).
+        step_log: a file to append one JSON line per engine step to (``PD_STEP_LOG_DIR``):
+            ``[start, seconds, [[chunk, context], ...], decode batch, decode context]``, start on
+            the host's monotonic clock (``time.perf_counter``, comparable across its processes);
+            the first line says who wrote it (``{"header": {...}}``). Written every second.
     """
 
     def __init__(
@@ -42,6 +47,8 @@ class EngineLoop:
         on_outputs: Callable[[list[StepOutput]], None],
         on_step_error: Callable[[list[str], Exception], None],
         metrics=None,
+        step_log: str = "",
+        header: dict | None = None,
     ):
         self.engine = engine
         self.metrics = metrics
@@ -55,6 +62,11 @@ class EngineLoop:
         self.busy_seconds = 0.0
         self.prefill_tokens_per_s = 0.0
         self.decode_step_s = 0.0
+        self._log_path, self._log_at = step_log, 0.0
+        if step_log:
+            engine.step_log = []
+            with open(step_log, "a") as f:
+                f.write(json.dumps({"header": header or {}}) + "\n")
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -64,6 +76,17 @@ class EngineLoop:
         self._stop.set()
         self._calls.put(None)
         self._thread.join(timeout=10)
+        self._flush_log()
+
+    def _flush_log(self) -> None:
+        """Append the steps recorded since the last flush to the step log (engine thread, or
+        after it stopped)."""
+        records = self.engine.step_log
+        if not records:
+            return
+        self.engine.step_log = []
+        with open(self._log_path, "a") as f:
+            f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """Run ``fn(engine)`` on the engine thread before its next step."""
@@ -151,3 +174,6 @@ class EngineLoop:
                 self.metrics.batch_size.observe(engine.stats.last_step_seqs)
             if outputs:
                 self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+            if self._log_path and self.last_step_at - self._log_at > 1.0:
+                self._log_at = self.last_step_at
+                self._flush_log()

@@ -36,8 +36,14 @@ class ModelWorker(Worker):
         self.metrics = stage_metrics(self.stage)
         self.kv_metrics = kv_metrics()
         self.waiting_first_token: dict[str, RequestMeta] = {}
+        log = ""
+        if self.settings.step_log_dir:
+            os.makedirs(self.settings.step_log_dir, exist_ok=True)
+            log = os.path.join(self.settings.step_log_dir, f"{self.settings.instance_id or self.stage}-{os.getpid()}.jsonl")
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
-                                      self.metrics).start()
+                                      self.metrics, step_log=log,
+                                      header={"stage": self.stage, "instance": self.settings.instance_id,
+                                              "cpus": self.settings.cpu_affinity, "pid": os.getpid()}).start()
 
     async def serve(self) -> None:
         async def on_heartbeat(hb) -> None:

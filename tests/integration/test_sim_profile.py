@@ -1,12 +1,13 @@
 """`pdserve profile` on the tiny model, and the simulator's agreement with the real system:
-the modes benchmark's disaggregated deployment and its simulated twin, in one run
-(loadtest/sim/validate.py, the small version of the validation table).
+the modes benchmark's disaggregated deployment and its simulated twin, in one run, the twin's
+costs corrected by the run's own engine steps (loadtest/sim/validate.py and calibrate.py, the
+small version of the validation table).
 
 The agreement check is a model check, not a timed assert: both sides run on the same machine at
-the same time, and the tolerance is generous (a factor of 2.5) because the tiny model's steps
+the same time, and the tolerance is generous (a factor of 4) because the tiny model's steps
 take about a millisecond, so the pipeline's noise (other jobs on the two cores) is most of what
-is measured. Tails get a wider band (4×): with 16 requests the p90 is the second-slowest
-request, and a stall of the shared machine lands there in full. The full table (SmolLM2, four
+is measured; with 16 requests the p90 is the second-slowest request, and a stall of the shared
+machine lands there in full. The full table (SmolLM2, four
 modes) is in the closing note of issue 16.
 """
 
@@ -18,7 +19,10 @@ from loadtest.sim import validate
 from loadtest.sim.measure import main as profile_main
 from loadtest.sim.profile import Profile
 
-TOLERANCE = {"p50": 2.5, "p90": 4.0}
+# the tiny model's TTFT is nearly all pipeline (five processes' hops, ~1 ms of model); the twin
+# takes that latency from an idle probe just before the run, and at load average ~9 the probe
+# and the run's TTFT p50 were seen 1.5-3.4x apart from one run to the next (issue 16's note)
+TOLERANCE = {"p50": 4.0, "p90": 4.0}
 
 
 def test_profile_command_writes_a_sane_profile(tiny_model_dir, tmp_path, monkeypatch, nats_url):
@@ -44,6 +48,11 @@ def test_simulated_disaggregated_agrees_with_measured(tiny_model_dir, tmp_path, 
     data = json.loads((tmp_path / "validate.json").read_text())
     m, s = data["measured"]["disaggregated"], data["simulated"]["disaggregated"]
     assert m["num_ok"] == 16 and s["finished"] == 16
+    # the twin was calibrated on this run's own engine steps (both workers' step logs)
+    fit = s["calibration"]["fit"]
+    assert len(list((tmp_path / "steps" / "disaggregated").glob("*.jsonl"))) == 2
+    assert fit["steps"] > 16 and fit["decode"] > 0 and fit["prefill"] > 0
+    assert list((tmp_path / "logs" / "disaggregated").glob("tokenizer-*.log"))  # the routing decisions kept
     for metric, q in (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50")):
         ratio = s[metric][q] / m[metric][q]
         assert 1 / TOLERANCE[q] <= ratio <= TOLERANCE[q], (metric, q, m[metric][q], s[metric][q])

@@ -91,13 +91,15 @@ def test_fifo_prefill_queue():
 
 
 def test_conditional_routes_by_the_local_limit():
-    """Idle workers (one output token: nothing stays running): short prompts are cheaper locally,
-    long ones are over the limit — the remote share is the long prompts' share."""
+    """Idle workers (one output token: nothing stays running): long prompts are over the limit
+    and go remote; short ones are cheaper locally — but for the odd one the router, fed the
+    prefill rates each worker's own steps showed (the prefill worker's long prompts run at a
+    higher rate), finds the prefill worker cheaper."""
     p = _profile()
     reqs = trace.synthetic(200, 0.5, [(64, 0.75), (900, 0.25)], 1, seed=4)
     long_share = sum(r.prompt_tokens > 128 for r in reqs) / len(reqs)
     s = simulate(reqs, Topology(mode="conditional", prefill=1, decode=1, local_max_tokens=128), p)
-    assert s["remote_share"] == pytest.approx(long_share)
+    assert long_share <= s["remote_share"] <= long_share + 0.05
 
 
 def test_weighted_percentiles_match_expanded_values():
