@@ -277,21 +277,30 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
 
 
 def prepare_kernels(dep: Deployment) -> None:
-    """Build the C++ attention kernel once, here, rather than in every worker at start."""
+    """Build the C++ kernels once, here, rather than in every worker at start (the first start
+    on a machine compiles each for its CPU; later starts find them in the cache): paged
+    attention, then, when GGUF blocks are served (``PD_WEIGHTS`` not float), the block linear
+    and the fused decode layer. A kernel that does not build is said, and the workers fall back
+    (attention to the PyTorch reference; blocks to the de-quantized path)."""
     if dep.settings.attention_backend == "reference" or dep.settings.device == "cuda":
         return
     from kernels import cpu
+    from kernels.cpu import quant
 
-    started = time.monotonic()
-    try:
-        cpu.load()
-    except Exception as exc:
-        if dep.settings.attention_backend == "cpu":
-            raise SystemExit(f"pdserve: PD_ATTENTION_BACKEND=cpu but the C++ kernel does not build: {exc}") from None
-        dep.say(f"the C++ attention kernel does not build here ({str(exc)[:200]}); using the PyTorch reference")
-        return
-    if time.monotonic() - started > 2:
-        dep.say(f"built the C++ attention kernel in {time.monotonic() - started:.0f}s (cached for later starts)")
+    builds = [("attention", cpu.load)]
+    if dep.settings.weights != "float" and quant.available():
+        builds += [("quantized linear", quant.load), ("fused decode", quant.load_fused)]
+    for name, load in builds:
+        started = time.monotonic()
+        try:
+            load()
+        except Exception as exc:
+            if name == "attention" and dep.settings.attention_backend == "cpu":
+                raise SystemExit(f"pdserve: PD_ATTENTION_BACKEND=cpu but the C++ kernel does not build: {exc}") from None
+            dep.say(f"the C++ {name} kernel does not build here ({str(exc)[:200]}); the workers do without it")
+            continue
+        if time.monotonic() - started > 2:
+            dep.say(f"built the C++ {name} kernel in {time.monotonic() - started:.0f}s (cached for later starts)")
 
 
 def write_state(dep: Deployment) -> None:
