@@ -1,0 +1,177 @@
+"""Where one stream's inter-token time goes, process by process (issue 12).
+
+Starts a deployment as ``pdserve up`` does (1 tokenizer, prefill, decode, postfilter, gateway),
+streams ``--requests`` requests of ``--tokens`` output tokens one after another, and prints per
+output token:
+
+* the client's ITL p50 and mean;
+* the decode worker's engine step (``pd_decode_step_seconds``: scheduler + model + sampler)
+  and the engine thread's period per token (wall time of the run / decode steps), whose
+  difference is what the engine loop spends between steps;
+* per process (decode, postfilter, gateway, the NATS server, this client, the idle stages):
+  CPU ms per token (all threads, ``/proc/<pid>/task/*/schedstat``, nanoseconds) and ms per
+  token spent runnable but waiting for a core (the same file's run-queue time): on a 2-core
+  machine, what the other processes cost the decode worker is their CPU time, and a decode
+  thread that waits in the run queue stalls every OpenMP barrier of its step.
+
+``python -m loadtest.bench_itl [--tokens 256] [--requests 4]``; the NATS server at
+``PD_NATS_URL`` must be local (its pid is found by its listening port) to be counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from shared.config import Settings
+
+
+def task_times(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting) summed over the threads of ``pid``;
+    (0, 0) when it is gone. Threads that exited in between are not counted."""
+    cpu = wait = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns, _ = f.read().split()
+        except (OSError, ValueError):
+            continue
+        cpu += int(run_ns)
+        wait += int(wait_ns)
+    return cpu / 1e9, wait / 1e9
+
+
+def pid_listening_on(port: int) -> int | None:
+    """The pid of the process with a listening TCP socket on ``port`` (IPv4), if readable."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if parts[3] == "0A" and int(parts[1].split(":")[1], 16) == port:
+                inodes.add(parts[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def metric_sum_count(url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram ``name`` at ``url`` (0, 0 when absent)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total = re.search(rf"^{name}_sum(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    count = re.search(rf"^{name}_count(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
+
+
+async def decode_metrics_port(settings: Settings) -> int:
+    """The decode worker's probe port, from its heartbeat."""
+    import nats
+
+    from shared.messages import Heartbeat, decode
+
+    nc = await nats.connect(settings.nats_url.split(",")[0])
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on(msg) -> None:
+        hb = decode(msg.data)
+        if isinstance(hb, Heartbeat) and not got.done():
+            got.set_result(hb.metrics_port)
+
+    await nc.subscribe(settings.protocol().heartbeat_of("decode"), cb=on)
+    try:
+        return await asyncio.wait_for(got, 30)
+    finally:
+        await nc.close()
+
+
+def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
+    """Measure on a running deployment and print the table."""
+    from loadtest.bench_http import prompt
+    from loadtest.client import RequestSpec, run_workload
+
+    port = asyncio.run(decode_metrics_port(settings))
+    decode_url = f"http://127.0.0.1:{port}/metrics"
+    nats_port = int(settings.nats_url.split(",")[0].rsplit(":", 1)[1])
+    pids = {p.name.rsplit("-", 1)[0]: p.popen.pid for p in dep.procs}
+    nats_pid = pid_listening_on(nats_port)
+    if nats_pid:
+        pids["nats-server"] = nats_pid
+    pids["client (this)"] = os.getpid()
+    specs = [RequestSpec(0.0, prompt(i + 777), tokens) for i in range(requests)]
+    asyncio.run(run_workload(dep.url, name, specs[:1], concurrency=1, extra={"ignore_eos": True}, progress=False))
+    before = {k: task_times(pid) for k, pid in pids.items()}
+    step_before = metric_sum_count(decode_url, "pd_decode_step_seconds")
+    load = os.getloadavg()
+    results, wall = asyncio.run(run_workload(dep.url, name, specs, concurrency=1, extra={"ignore_eos": True},
+                                             progress=False))
+    after = {k: task_times(pid) for k, pid in pids.items()}
+    step_after = metric_sum_count(decode_url, "pd_decode_step_seconds")
+    ok = [r for r in results if r.ok]
+    itls = [x * 1e3 for r in ok for x in r.itls]
+    decode_s = sum(r.e2e_s - r.ttft_s for r in ok)  # the streaming part of each request
+    n = sum(len(r.itls) for r in ok)
+    steps = step_after[1] - step_before[1]
+    step_ms = (step_after[0] - step_before[0]) / max(1, steps) * 1e3
+    print(f"\n{len(ok)}/{requests} requests x {tokens} tokens, one at a time; load average before "
+          f"{load[0]:.2f} {load[1]:.2f}, after {' '.join(f'{x:.2f}' for x in os.getloadavg()[:2])}")
+    print(f"client ITL p50 {statistics.median(itls):.2f} ms, mean {statistics.mean(itls):.2f} ms, "
+          f"p90 {statistics.quantiles(itls, n=10)[-1]:.2f} ms")
+    print(f"decode engine step {step_ms:.2f} ms (mean of {steps:.0f}); streaming time per token "
+          f"{decode_s / max(1, n) * 1e3:.2f} ms")
+    print(f"\n{'process':<16} {'CPU ms/token':>12} {'run-queue wait ms/token':>24}")
+    total_runs = total_runs_tokens = 0.0
+    for key, (cpu0, wait0) in before.items():
+        cpu1, wait1 = after[key]
+        # the run covers prompts too: per token of the whole run, as the wall-clock average
+        per = max(1, n + len(ok))
+        total_runs += cpu1 - cpu0
+        total_runs_tokens = per
+        print(f"{key:<16} {(cpu1 - cpu0) / per * 1e3:>12.2f} {(wait1 - wait0) / per * 1e3:>24.2f}")
+    print(f"{'all':<16} {total_runs / max(1, total_runs_tokens) * 1e3:>12.2f}   (wall {wall / max(1, n + len(ok)) * 1e3:.2f} ms/token, "
+          f"{len(os.sched_getaffinity(0))} cores)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_itl")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--requests", type=int, default=4)
+    args = p.parse_args(argv)
+    from loadtest.infra import free_port
+    from services import launcher, local_infra
+    from shared.model_files import served_model_name
+
+    settings = Settings.from_env()
+    name = served_model_name(settings)
+    with tempfile.TemporaryDirectory() as tmp:
+        s = settings.replace(namespace=f"itl{uuid.uuid4().hex[:6]}", gateway_port=free_port(), torch_threads=0)
+        dep = launcher.up(s, {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1},
+                          Path(tmp), ready_timeout_s=600, quiet=True)
+        try:
+            started = time.monotonic()
+            run(dep, s, name, args.tokens, args.requests)
+            print(f"(measured in {time.monotonic() - started:.0f} s)")
+        finally:
+            launcher.stop_all(dep)
+            local_infra.drop_namespace(s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
