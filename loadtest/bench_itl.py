@@ -80,25 +80,39 @@ def metric_sum_count(url: str, name: str) -> tuple[float, float]:
     return (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
 
 
-async def decode_metrics_port(settings: Settings) -> int:
-    """The decode worker's probe port, from its heartbeat."""
+async def metrics_ports(settings: Settings, stages: tuple[str, ...]) -> dict[str, int]:
+    """Each stage's probe port (one replica each), from their heartbeats."""
     import nats
 
     from shared.messages import Heartbeat, decode
 
     nc = await nats.connect(settings.nats_url.split(",")[0])
-    got: asyncio.Future = asyncio.get_running_loop().create_future()
+    ports: dict[str, int] = {}
+    done = asyncio.Event()
 
     async def on(msg) -> None:
         hb = decode(msg.data)
-        if isinstance(hb, Heartbeat) and not got.done():
-            got.set_result(hb.metrics_port)
+        if isinstance(hb, Heartbeat):
+            ports[hb.stage] = hb.metrics_port
+            if len(ports) == len(stages):
+                done.set()
 
-    await nc.subscribe(settings.protocol().heartbeat_of("decode"), cb=on)
+    for stage in stages:
+        await nc.subscribe(settings.protocol().heartbeat_of(stage), cb=on)
     try:
-        return await asyncio.wait_for(got, 30)
+        await asyncio.wait_for(done.wait(), 30)
+        return ports
     finally:
         await nc.close()
+
+
+#: (label, stage, histogram): in-process hand-offs on the token path, mean per observation
+HANDOFFS = (
+    ("decode: engine thread -> event loop", "decode", "pd_decode_handoff_seconds"),
+    ("decode: post -> publish", "decode", "pd_decode_outbox_seconds"),
+    ("postfilter: handling a chunk", "postfilter", "pd_postfilter_process_seconds"),
+    ("postfilter: post -> publish", "postfilter", "pd_postfilter_outbox_seconds"),
+)
 
 
 def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
@@ -106,8 +120,11 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
     from loadtest.bench_http import prompt
     from loadtest.client import RequestSpec, run_workload
 
-    port = asyncio.run(decode_metrics_port(settings))
-    decode_url = f"http://127.0.0.1:{port}/metrics"
+    ports = asyncio.run(metrics_ports(settings, ("decode", "postfilter")))
+    decode_url = f"http://127.0.0.1:{ports['decode']}/metrics"
+
+    def handoffs() -> list[tuple[float, float]]:
+        return [metric_sum_count(f"http://127.0.0.1:{ports[stage]}/metrics", name) for _, stage, name in HANDOFFS]
     nats_port = int(settings.nats_url.split(",")[0].rsplit(":", 1)[1])
     pids = {p.name.rsplit("-", 1)[0]: p.popen.pid for p in dep.procs}
     nats_pid = pid_listening_on(nats_port)
@@ -118,11 +135,13 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
     asyncio.run(run_workload(dep.url, name, specs[:1], concurrency=1, extra={"ignore_eos": True}, progress=False))
     before = {k: task_times(pid) for k, pid in pids.items()}
     step_before = metric_sum_count(decode_url, "pd_decode_step_seconds")
+    handoff_before = handoffs()
     load = os.getloadavg()
     results, wall = asyncio.run(run_workload(dep.url, name, specs, concurrency=1, extra={"ignore_eos": True},
                                              progress=False))
     after = {k: task_times(pid) for k, pid in pids.items()}
     step_after = metric_sum_count(decode_url, "pd_decode_step_seconds")
+    handoff_after = handoffs()
     ok = [r for r in results if r.ok]
     itls = [x * 1e3 for r in ok for x in r.itls]
     decode_s = sum(r.e2e_s - r.ttft_s for r in ok)  # the streaming part of each request
@@ -135,6 +154,8 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
           f"p90 {statistics.quantiles(itls, n=10)[-1]:.2f} ms")
     print(f"decode engine step {step_ms:.2f} ms (mean of {steps:.0f}); streaming time per token "
           f"{decode_s / max(1, n) * 1e3:.2f} ms")
+    for (label, _, _), (s0, c0), (s1, c1) in zip(HANDOFFS, handoff_before, handoff_after):
+        print(f"  {label:<40} {(s1 - s0) / max(1, c1 - c0) * 1e3:6.3f} ms mean of {c1 - c0:.0f}")
     print(f"\n{'process':<16} {'CPU ms/token':>12} {'run-queue wait ms/token':>24}")
     total_runs = total_runs_tokens = 0.0
     for key, (cpu0, wait0) in before.items():

@@ -150,4 +150,10 @@ class EngineLoop:
                 self.metrics.step_tokens.observe(engine.stats.last_step_tokens)
                 self.metrics.batch_size.observe(engine.stats.last_step_seqs)
             if outputs:
-                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                self.loop.call_soon_threadsafe(self._deliver, outputs, time.perf_counter())
+
+    def _deliver(self, outputs: list[StepOutput], ready_at: float) -> None:
+        """On the event loop: hand a step's outputs on, timing the thread hand-off."""
+        if self.metrics is not None:
+            self.metrics.handoff_seconds.observe(time.perf_counter() - ready_at)
+        self.on_outputs(outputs)
