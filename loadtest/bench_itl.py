@@ -133,6 +133,7 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
     pids["client (this)"] = os.getpid()
     specs = [RequestSpec(0.0, prompt(i + 777), tokens) for i in range(requests)]
     asyncio.run(run_workload(dep.url, name, specs[:1], concurrency=1, extra={"ignore_eos": True}, progress=False))
+    print(f"measuring: {requests} requests x {tokens} tokens", flush=True)
     before = {k: task_times(pid) for k, pid in pids.items()}
     step_before = metric_sum_count(decode_url, "pd_decode_step_seconds")
     handoff_before = handoffs()
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_itl")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--no-alone", action="store_true", help="skip the engine step measured alone afterwards")
     args = p.parse_args(argv)
     from loadtest.infra import free_port
     from services import launcher, local_infra
@@ -191,7 +193,22 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             launcher.stop_all(dep)
             local_infra.drop_namespace(s)
+    if not args.no_alone:
+        step_alone(settings, context=256 + args.tokens // 2)
     return 0
+
+
+def step_alone(settings: Settings, context: int) -> None:
+    """The same engine's batch-1 decode step in this process, nothing else running in it
+    (the decode worker's thread count: every core), for comparison with the step inside."""
+    import torch
+
+    from loadtest.bench_engine import decode_rates
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    step = decode_rates(settings.replace(torch_threads=0), [1], context, 32)[1]
+    print(f"engine step alone (batch 1, context {context}, {torch.get_num_threads()} threads, median of 32): "
+          f"{step * 1e3:.2f} ms; load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
