@@ -34,12 +34,13 @@ from pathlib import Path
 from shared.config import Settings
 
 
-def task_times(pid: int) -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable but waiting) summed over the threads of ``pid``;
-    (0, 0) when it is gone. Threads that exited in between are not counted."""
+def task_times(pid: int, main_only: bool = False) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting) summed over the threads of ``pid`` (its
+    main thread alone with ``main_only``); (0, 0) when it is gone. Threads that exited in
+    between are not counted."""
     cpu = wait = 0
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        tasks = [str(pid)] if main_only else os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0.0, 0.0
     for tid in tasks:
@@ -134,13 +135,16 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
     specs = [RequestSpec(0.0, prompt(i + 777), tokens) for i in range(requests)]
     asyncio.run(run_workload(dep.url, name, specs[:1], concurrency=1, extra={"ignore_eos": True}, progress=False))
     print(f"measuring: {requests} requests x {tokens} tokens", flush=True)
+    loop_pid = pids["decode"]
     before = {k: task_times(pid) for k, pid in pids.items()}
+    loop_before = task_times(loop_pid, main_only=True)
     step_before = metric_sum_count(decode_url, "pd_decode_step_seconds")
     handoff_before = handoffs()
     load = os.getloadavg()
     results, wall = asyncio.run(run_workload(dep.url, name, specs, concurrency=1, extra={"ignore_eos": True},
                                              progress=False))
     after = {k: task_times(pid) for k, pid in pids.items()}
+    loop_after = task_times(loop_pid, main_only=True)
     step_after = metric_sum_count(decode_url, "pd_decode_step_seconds")
     handoff_after = handoffs()
     ok = [r for r in results if r.ok]
@@ -153,27 +157,29 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
           f"{load[0]:.2f} {load[1]:.2f}, after {' '.join(f'{x:.2f}' for x in os.getloadavg()[:2])}")
     print(f"client ITL p50 {statistics.median(itls):.2f} ms, mean {statistics.mean(itls):.2f} ms, "
           f"p90 {statistics.quantiles(itls, n=10)[-1]:.2f} ms")
+    per_token = decode_s / max(1, n) * 1e3
     print(f"decode engine step {step_ms:.2f} ms (mean of {steps:.0f}); streaming time per token "
-          f"{decode_s / max(1, n) * 1e3:.2f} ms")
+          f"{per_token:.2f} ms, of which between engine steps {per_token - step_ms:.2f} ms")
     for (label, _, _), (s0, c0), (s1, c1) in zip(HANDOFFS, handoff_before, handoff_after):
         print(f"  {label:<40} {(s1 - s0) / max(1, c1 - c0) * 1e3:6.3f} ms mean of {c1 - c0:.0f}")
     print(f"\n{'process':<16} {'CPU ms/token':>12} {'run-queue wait ms/token':>24}")
-    total_runs = total_runs_tokens = 0.0
-    for key, (cpu0, wait0) in before.items():
-        cpu1, wait1 = after[key]
-        # the run covers prompts too: per token of the whole run, as the wall-clock average
-        per = max(1, n + len(ok))
-        total_runs += cpu1 - cpu0
-        total_runs_tokens = per
+    per = max(1, n + len(ok))  # output tokens of the run (the run's prompts are in it too)
+    total = 0.0
+    rows = [(k, *before[k], *after[k]) for k in before]
+    rows.insert(list(before).index("decode") + 1, ("  its event loop", *loop_before, *loop_after))
+    for key, cpu0, wait0, cpu1, wait1 in rows:
+        total += 0 if key.startswith(" ") else cpu1 - cpu0
         print(f"{key:<16} {(cpu1 - cpu0) / per * 1e3:>12.2f} {(wait1 - wait0) / per * 1e3:>24.2f}")
-    print(f"{'all':<16} {total_runs / max(1, total_runs_tokens) * 1e3:>12.2f}   (wall {wall / max(1, n + len(ok)) * 1e3:.2f} ms/token, "
-          f"{len(os.sched_getaffinity(0))} cores)")
+    print(f"{'all':<16} {total / per * 1e3:>12.2f}   (wall {wall / per * 1e3:.2f} ms/token, "
+          f"{len(os.sched_getaffinity(0))} cores; the NATS server may serve others too)")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_itl")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0,
+                   help="PD_TORCH_THREADS for the model workers (0: the launcher's share, as pdserve up)")
     p.add_argument("--no-alone", action="store_true", help="skip the engine step measured alone afterwards")
     args = p.parse_args(argv)
     from loadtest.infra import free_port
@@ -183,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     name = served_model_name(settings)
     with tempfile.TemporaryDirectory() as tmp:
-        s = settings.replace(namespace=f"itl{uuid.uuid4().hex[:6]}", gateway_port=free_port(), torch_threads=0)
+        s = settings.replace(namespace=f"itl{uuid.uuid4().hex[:6]}", gateway_port=free_port(),
+                             torch_threads=args.threads)
         dep = launcher.up(s, {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1},
                           Path(tmp), ready_timeout_s=600, quiet=True)
         try:
