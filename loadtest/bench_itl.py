@@ -81,6 +81,21 @@ def metric_sum_count(url: str, name: str) -> tuple[float, float]:
     return (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
 
 
+def metric_buckets(url: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts ``{le: count}`` of a Prometheus histogram ``name`` at ``url``."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {float(le): float(v) for le, v in re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text, re.M)}
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound of the bucket holding quantile ``q`` of the observations in between."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    for le in sorted(after):
+        if after[le] - before.get(le, 0.0) >= q * total:
+            return le
+    return float("inf")
+
+
 async def metrics_ports(settings: Settings, stages: tuple[str, ...]) -> dict[str, int]:
     """Each stage's probe port (one replica each), from their heartbeats."""
     import nats
@@ -124,8 +139,9 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
     ports = asyncio.run(metrics_ports(settings, ("decode", "postfilter")))
     decode_url = f"http://127.0.0.1:{ports['decode']}/metrics"
 
-    def handoffs() -> list[tuple[float, float]]:
-        return [metric_sum_count(f"http://127.0.0.1:{ports[stage]}/metrics", name) for _, stage, name in HANDOFFS]
+    def handoffs() -> list[tuple[float, float, dict]]:
+        return [(*metric_sum_count(f"http://127.0.0.1:{ports[stage]}/metrics", name),
+                 metric_buckets(f"http://127.0.0.1:{ports[stage]}/metrics", name)) for _, stage, name in HANDOFFS]
     nats_port = int(settings.nats_url.split(",")[0].rsplit(":", 1)[1])
     pids = {p.name.rsplit("-", 1)[0]: p.popen.pid for p in dep.procs}
     nats_pid = pid_listening_on(nats_port)
@@ -160,8 +176,9 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
     per_token = decode_s / max(1, n) * 1e3
     print(f"decode engine step {step_ms:.2f} ms (mean of {steps:.0f}); streaming time per token "
           f"{per_token:.2f} ms, of which between engine steps {per_token - step_ms:.2f} ms")
-    for (label, _, _), (s0, c0), (s1, c1) in zip(HANDOFFS, handoff_before, handoff_after):
-        print(f"  {label:<40} {(s1 - s0) / max(1, c1 - c0) * 1e3:6.3f} ms mean of {c1 - c0:.0f}")
+    for (label, _, _), (s0, c0, b0), (s1, c1, b1) in zip(HANDOFFS, handoff_before, handoff_after):
+        print(f"  {label:<40} {(s1 - s0) / max(1, c1 - c0) * 1e3:6.3f} ms mean of {c1 - c0:.0f}, p50 <= "
+              f"{bucket_quantile(b0, b1, 0.5) * 1e3:g} ms, p90 <= {bucket_quantile(b0, b1, 0.9) * 1e3:g} ms")
     print(f"\n{'process':<16} {'CPU ms/token':>12} {'run-queue wait ms/token':>24}")
     per = max(1, n + len(ok))  # output tokens of the run (the run's prompts are in it too)
     total = 0.0
