@@ -45,25 +45,36 @@ def _python_ran_mid_call(call) -> tuple[int, float]:
     return sum(started + third <= t <= ended - third for t in stamps), ended - started
 
 
+def _kernel_call(kernel: str, rows: int):
+    """A call of ``kernel`` over ``rows`` input rows (one thread), as a closure."""
+    if kernel == "q4_linear":
+        ext = quant.load()
+        n, k = 4096, 2048
+        x = torch.randn(rows, k)
+        codes = torch.randint(0, 255, (n, k // 2), dtype=torch.uint8)
+        d, m = torch.rand(n, k // 32), torch.rand(n, k // 32)
+        return lambda: ext.q4_linear(x, codes, d, m)
+    ext = quant.load_fused()
+    x, w = torch.randn(rows * 64, 2048), torch.rand(2048)
+    return lambda: ext.rms_norm(x, w, 1e-5)
+
+
 @pytest.mark.parametrize("kernel", ["q4_linear", "fused_rms_norm"])
 def test_a_kernel_call_lets_other_python_threads_run(kernel):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if kernel == "q4_linear":
-            ext = quant.load()
-            n, k = 4096, 2048
-            x = torch.randn(128, k)
-            codes = torch.randint(0, 255, (n, k // 2), dtype=torch.uint8)
-            d, m = torch.rand(n, k // 32), torch.rand(n, k // 32)
-            call = lambda: ext.q4_linear(x, codes, d, m)  # noqa: E731
-        else:
-            ext = quant.load_fused()
-            x, w = torch.randn(65536, 2048), torch.rand(2048)
-            call = lambda: ext.rms_norm(x, w, 1e-5)  # noqa: E731
-        call()  # warm
+        rows = 32
+        while True:  # a call long enough that its middle third is well past a 5 ms switch
+            call = _kernel_call(kernel, rows)
+            call()  # warm
+            started = time.perf_counter()
+            call()
+            if time.perf_counter() - started >= 0.05 or rows >= 512:
+                break
+            rows *= 2
         ran, elapsed = _python_ran_mid_call(call)
     finally:
         torch.set_num_threads(threads)
-    assert elapsed > 0.04, "the call is too short to tell"
+    assert elapsed > 0.03, "the call is too short to tell"
     assert ran > 0, elapsed
