@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
+#: Per-token hand-offs inside a process (sub-millisecond when the event loop is free).
+HANDOFF_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128)
 #: Latency buckets from 1 ms to 2 min, for TTFT/ITL/E2E and stage timings.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -35,6 +37,8 @@ class StageMetrics:
     step_tokens: Histogram
     kv_blocks_used: Gauge
     kv_blocks_total: Gauge
+    handoff_seconds: Histogram
+    outbox_seconds: Histogram
 
 
 @functools.cache
@@ -56,6 +60,12 @@ def stage_metrics(stage: str) -> StageMetrics:
                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)),
         kv_blocks_used=Gauge(f"{p}_kv_blocks_used", f"KV blocks of the {stage} worker's pool held by sequences"),
         kv_blocks_total=Gauge(f"{p}_kv_blocks_total", f"KV blocks in the {stage} worker's pool"),
+        handoff_seconds=Histogram(
+            f"{p}_handoff_seconds", f"engine step's end to its outputs being handled on the {stage} event loop",
+            buckets=HANDOFF_BUCKETS),
+        outbox_seconds=Histogram(
+            f"{p}_outbox_seconds", f"a message posted by the {stage} worker to its publish on the bus",
+            buckets=HANDOFF_BUCKETS),
     )
 
 

@@ -188,8 +188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
            py::arg("m"), py::arg("bits"));
   py::class_<DecodeLayer>(mod, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, Blocks, Blocks, Blocks, Blocks, int64_t, int64_t, int64_t>())
-      .def("attn_in", &DecodeLayer::attn_in, "norm, QKV, RoPE, KV write; returns q [M, H, D]")
-      .def("attn_out", &DecodeLayer::attn_out, "x += o_proj(attn); x += MLP(norm(x)), in place");
-  mod.def("rms_norm", &rms_norm, "RMSNorm per row (float32)");
+      .def("attn_in", &DecodeLayer::attn_in, py::call_guard<py::gil_scoped_release>(), "norm, QKV, RoPE, KV write; returns q [M, H, D]")
+      .def("attn_out", &DecodeLayer::attn_out, py::call_guard<py::gil_scoped_release>(), "x += o_proj(attn); x += MLP(norm(x)), in place");
+  mod.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm per row (float32)");
   mod.attr("isa") = pdq::kIsa;
 }

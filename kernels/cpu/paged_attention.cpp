@@ -417,7 +417,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, float32)");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("linear_small_batch", &linear_small_batch, "x W^T for a few rows of x (CPU)");
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm over the last dimension (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("linear_small_batch", &linear_small_batch, py::call_guard<py::gil_scoped_release>(), "x W^T for a few rows of x (CPU)");
 }

@@ -106,12 +106,12 @@ torch::Tensor q4_linear_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_linear", &block_linear<true>, "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]");
-  mod.def("q8_linear", &block_linear<false>, "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]");
-  mod.def("q4_dequantize", &block_dequantize<true>, "float32 [N, K] from 4-bit GGUF blocks");
-  mod.def("q8_dequantize", &block_dequantize<false>, "float32 [N, K] from Q8_0 blocks");
+  mod.def("q4_linear", &block_linear<true>, py::call_guard<py::gil_scoped_release>(), "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]");
+  mod.def("q8_linear", &block_linear<false>, py::call_guard<py::gil_scoped_release>(), "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]");
+  mod.def("q4_dequantize", &block_dequantize<true>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from 4-bit GGUF blocks");
+  mod.def("q8_dequantize", &block_dequantize<false>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from Q8_0 blocks");
   mod.attr("isa") = pdq::kIsa;
 #ifdef PDQ_VNNI
-  mod.def("q4_linear_vnni", &q4_linear_vnni, "x W^T, 4-bit blocks, x quantized per 32 to int8 (VNNI)");
+  mod.def("q4_linear_vnni", &q4_linear_vnni, py::call_guard<py::gil_scoped_release>(), "x W^T, 4-bit blocks, x quantized per 32 to int8 (VNNI)");
 #endif
 }

@@ -187,11 +187,15 @@ class Worker:
 
     def post(self, subject: str, message: Message) -> None:
         """Queue a core publish from synchronous code; messages leave in the order posted."""
-        self._outbox.put_nowait((subject, message))
+        self._outbox.put_nowait((subject, message, time.perf_counter()))
 
     async def _outbox_loop(self) -> None:
+        from shared.metrics import stage_metrics
+
+        waited = stage_metrics(self.stage).outbox_seconds
         while True:
-            subject, message = await self._outbox.get()
+            subject, message, posted_at = await self._outbox.get()
+            waited.observe(time.perf_counter() - posted_at)
             await self.publish(subject, message)
 
     # --- life cycle ---------------------------------------------------------------------------
