@@ -93,8 +93,7 @@ class BlockManager:
         """Whether ``seq`` can take blocks for ``num_new_tokens`` more tokens after its
         computed ones (and after the cache hits ``computed``, which it would take too)."""
         if not computed:  # the common case (every decode step): no list, no generator
-            need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
-            return need <= len(self.free_queue)
+            return self._num_new_blocks(seq, num_new_tokens, ()) <= self.num_free_blocks
         reclaim = sum(1 for b in computed if b.ref_cnt == 0)  # hits that sit in the free queue
         return self._num_new_blocks(seq, num_new_tokens, list(computed)) + reclaim <= self.num_free_blocks
 
@@ -105,13 +104,6 @@ class BlockManager:
         Raises:
             NoFreeBlocks: ``can_allocate`` would have said no.
         """
-        if not computed:
-            need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
-            if need > len(self.free_queue):
-                raise NoFreeBlocks(f"{seq.request_id}: {num_new_tokens} tokens do not fit")
-            for _ in range(need):
-                seq.block_table.append(self._pop_free().block_id)
-            return
         if not self.can_allocate(seq, num_new_tokens, computed):
             raise NoFreeBlocks(f"{seq.request_id}: {num_new_tokens} tokens do not fit")
         if computed:

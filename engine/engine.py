@@ -329,7 +329,7 @@ class LLMEngine:
     def _update(self, scheduled, result) -> list[StepOutput]:
         for item in scheduled:
             seq = item.seq
-            if item.num_new_tokens == 1 and seq.num_computed_tokens > 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if is_decode(item):
                 self.stats.num_decode_tokens += 1
             else:
                 self.stats.num_prefill_tokens += item.num_new_tokens
@@ -413,13 +413,19 @@ def step_shape(scheduled) -> tuple[list[list[int]], int, int]:
     """What a step computes, in the simulator's cost terms (``loadtest/sim/profile.py``):
     ``([[chunk tokens, context tokens before the chunk], ...], decode batch, decode context
     tokens)`` — a decode is a one-token item of a sequence past its prompt (as :meth:`LLMEngine._update`
-    counts it). Read before the step runs."""
+    counts it, :func:`is_decode`). Read before the step runs."""
     prefill, batch, ctx = [], 0, 0
     for item in scheduled:
-        seq = item.seq
-        if item.num_new_tokens == 1 and 0 < seq.num_computed_tokens and seq.num_computed_tokens >= seq.num_prompt_tokens:
+        if is_decode(item):
             batch += 1
-            ctx += seq.num_computed_tokens
+            ctx += item.seq.num_computed_tokens
         else:
-            prefill.append([item.num_new_tokens, seq.num_computed_tokens])
+            prefill.append([item.num_new_tokens, item.seq.num_computed_tokens])
     return prefill, batch, ctx
+
+
+def is_decode(item) -> bool:
+    """A scheduled item is a decode: one token of a sequence past its prompt (read before the
+    step runs)."""
+    seq = item.seq
+    return item.num_new_tokens == 1 and 0 < seq.num_computed_tokens and seq.num_computed_tokens >= seq.num_prompt_tokens

@@ -49,7 +49,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loadtest.sim.profile import CostModel, Profile
+from loadtest.sim.profile import CostModel, Profile, monotone
 
 
 @dataclass
@@ -314,17 +314,8 @@ def apply(profile: Profile, f: dict, timeline: bool = True) -> Profile:
         "load_timeline": f.get("load_timeline", []) if timeline else [],
         "load_bin_s": LOAD_BIN_S,
     }
-    d["prefill_s"], d["decode_s"] = _monotone(d["prefill_s"]), _monotone(d["decode_s"])
+    d["prefill_s"], d["decode_s"] = monotone(d["prefill_s"]), monotone(d["decode_s"])
     return replace(profile, **d)
-
-
-def _monotone(ys: list[float]) -> list[float]:
-    """Running maximum: a step never gets cheaper with more tokens or sequences."""
-    out, m = [], 0.0
-    for y in ys:
-        m = max(m, y)
-        out.append(m)
-    return out
 
 
 def calibrated_topology(topo):

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from loadtest.sim.profile import Profile
+from loadtest.sim.profile import Profile, monotone
 from shared.config import Settings
 from shared.messages import SamplingParams
 
@@ -233,8 +233,8 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     hop = asyncio.run(_bus_hop(settings, 20 if quick else 60)) if bus else 0.001
     say("profile: co-run slowdown ...")
     corun = _corun_slowdown(bench, min(8, max_batch)) if (os.cpu_count() or 1) > 1 else 1.0
-    prefill_s = _monotone(prefill_s)
-    decode_s = _monotone(decode_s)
+    prefill_s = monotone(prefill_s)
+    decode_s = monotone(decode_s)
     return Profile(
         name=f"{platform.node()}-{settings.model or 'smollm2'}".replace("/", "_")[:60],
         measured=True, machine=_machine(), model=str(folder), dtype=str(engine.dtype).removeprefix("torch."),
@@ -252,15 +252,6 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
                  "torch_threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "request_cpu_s": "tokenize + 4 bus hops' worth of CPU (gateway, tokenizer, router): an estimate"},
     )
-
-
-def _monotone(ys: list[float]) -> list[float]:
-    """Running maximum: a step never gets cheaper with more tokens (removes noise dips)."""
-    out, m = [], 0.0
-    for y in ys:
-        m = max(m, y)
-        out.append(m)
-    return out
 
 
 def _interp_at(xs: list[int], ys: list[float], x: int) -> float:

@@ -36,6 +36,16 @@ import numpy as np
 VERSION = 1
 
 
+
+def monotone(ys: list[float]) -> list[float]:
+    """Running maximum of a cost table: a step never gets cheaper with more tokens or sequences
+    (removes noise dips from measured or calibrated tables)."""
+    out, m = [], 0.0
+    for y in ys:
+        m = max(m, y)
+        out.append(m)
+    return out
+
 @dataclass
 class Profile:
     """Measured (or cited) costs of one worker class. Times in seconds, sizes in bytes/tokens.
