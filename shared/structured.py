@@ -83,6 +83,16 @@ def _check_limits(node, param: str) -> None:
         _check_limits(value, param)
 
 
+def _without_no_ops(node):
+    """``node`` without keywords that constrain nothing and that the grammar engine would still
+    report as unenforceable (``"uniqueItems": false``, JSON Schema's default)."""
+    if isinstance(node, list):
+        return [_without_no_ops(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _without_no_ops(v) for k, v in node.items() if not (k == "uniqueItems" and v is False)}
+
+
 def schema_grammar(schema: dict, param: str) -> str:
     """The grammar of JSON valid for ``schema``.
 
@@ -93,7 +103,7 @@ def schema_grammar(schema: dict, param: str) -> str:
         raise InvalidRequest(f"invalid JSON schema in '{param}': a schema is an object", param=param)
     _check_limits(schema, param)
     try:
-        text = json.dumps(schema)  # key order kept: properties are generated in the order given
+        text = json.dumps(_without_no_ops(schema))  # key order kept: properties are generated in the order given
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"invalid JSON schema in '{param}': {exc}", param=param) from None
     return _grammar(text, param)

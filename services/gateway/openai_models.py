@@ -157,7 +157,10 @@ class _SamplingFields(_Base):
                 if key in data and data[key] is not None and data[key] not in off:
                     raise InvalidRequest(f"'{key}': {why} by this server", param=key, code="unsupported_parameter")
             data = {k: v for k, v in data.items() if k not in NOT_IMPLEMENTED or k in cls.IMPLEMENTED}
-            if data.get("best_of") not in (None, 1, data.get("n", 1)):
+            best_of, n = data.get("best_of"), data.get("n", 1)
+            if isinstance(best_of, int) and isinstance(n, int) and best_of < n:
+                raise InvalidRequest("'best_of' must be greater than or equal to 'n'", param="best_of")
+            if best_of not in (None, 1, n):
                 raise InvalidRequest("'best_of' other than n is not supported; use n", param="best_of",
                                      code="unsupported_parameter")
             data.pop("best_of", None)

@@ -147,6 +147,8 @@ def test_completions_prompt_forms_echo_and_indices(client, tiny_model):
     # max_tokens 0 is for echo only (prompt logprobs: tests/integration/test_prompt_logprobs_api.py)
     error_of(client.post("/v1/completions", json={**base, "prompt": "x", "max_tokens": 0}), 400)
     error_of(client.post("/v1/completions", json={**base, "prompt": [10**7]}), 400)
+    assert error_of(client.post("/v1/completions", json={**base, "prompt": "x", "n": 2, "best_of": 1}),
+                    400)["param"] == "best_of"
 
 
 def test_penalties_bias_and_max_completion_tokens_change_the_output(client):

@@ -157,6 +157,9 @@ def test_keywords_the_grammar_cannot_enforce_are_refused(schema, keyword):
         schema_grammar({"type": "object", "properties": {"xs": schema}}, "response_format")
     assert keyword in err.value.message and err.value.status == 400
     schema_grammar({"type": "object", "properties": {"xs": {"type": "array", "description": "kept"}}}, "response_format")
+    # the keyword's default constrains nothing: accepted
+    schema_grammar({"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": False}}},
+                   "response_format")
 
 
 def test_grammar_cache_compiles_each_schema_once(engine):
