@@ -205,9 +205,9 @@ def test_bf16_dot_products_in_a_bfloat16_model_keep_rows_independent(tiny_model,
     with torch.inference_mode():
         meta = decode_meta(cache, lens, list(range(8)), attention)
         unfused = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, pd_attn=meta).logits[0].float()
+        float_dot = fused_decode.FusedDecode(model, ext, bf16=False).logits(ids, pos, meta, torch.arange(8))
         batch = fused.logits(ids, pos, meta, torch.arange(8))
         kv_after_batch = cache.kv.clone()
-        float_dot = fused_decode.FusedDecode(model, ext, bf16=False).logits(ids, pos, meta, torch.arange(8))
         assert not torch.equal(batch, float_dot)  # the bf16 loops ran
         # against the float32 loops on the same weights, about as far off as the bf16 model itself
         err = ((batch - float_dot).norm() / float_dot.norm()).item()
