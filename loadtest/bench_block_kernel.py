@@ -31,7 +31,7 @@ def _layer(bits: int, n: int, k: int, gen: torch.Generator):
 
 
 def _load() -> str:
-    return " ".join(os.getloadavg().__repr__().strip("()").split(", ")[:3])
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
