@@ -11,10 +11,23 @@
 // defined, else AVX2 + FMA. See block_rows for the two ways a call runs (few rows: widen in
 // registers; more: widen four weight rows once into an L1 buffer, then 4 x 4 register tiles).
 //
+// Two arithmetics, chosen by the caller once per weight object (never per call or row count):
+//   * float32 (block_rows): x float32, weights widened to float32 exactly, float32 FMAs. The
+//     only path of float32 models and of CPUs without AVX512-BF16.
+//   * bf16 dot products (block_rows_bf16, only where __AVX512BF16__ is defined: a bfloat16
+//     model on e.g. AMD Zen 4 / Intel Cooper Lake+): where it rounds, (1) each weight
+//     w = q d (+ m) is computed in float32 as above (one FMA) and rounded to bf16 to nearest
+//     even (vcvtne2ps2bf16: the bits torch's .to(torch.bfloat16) gives the de-quantized
+//     float32 weights, except that float32 denormals become zero); (2) each row of x is
+//     rounded to bf16 the same way once per call (round_rows_bf16); (3) `vdpbf16ps` adds
+//     the exact products of pairs of bf16 to float32 accumulators (float32 rounding per add).
+//     One instruction does 32 multiply-adds where an FMA does 16.
+//
 // Row independence: every (row of x, weight row) pair is reduced by the same instruction
 // sequence whatever the number of rows in the call or the path taken (one accumulator vector
-// over K in order, then one horizontal sum), so a row's result is bit-identical alone or
-// inside a batch. The batch-invariance work (issue 13) relies on this.
+// over K in order, then one horizontal sum; for bf16, one vdpbf16ps chain over K in steps of
+// 32), so a row's result is bit-identical alone or inside a batch. The batch-invariance work
+// (issue 13) relies on this.
 #pragma once
 
 #include <immintrin.h>
