@@ -46,6 +46,9 @@ def load_fused(emulate_bf16: bool = False):
     ``rms_norm``; ``has_bf16``: ``Blocks(..., bf16=True)`` uses bf16 dot products), same build
     and flags as :func:`load`.
 
+    Args:
+        emulate_bf16: the test build (bf16 path emulated in scalar code, ``has_bf16`` True).
+
     Raises:
         RuntimeError: no C++ compiler, the build failed, or the CPU lacks AVX2/FMA.
     """
