@@ -18,7 +18,10 @@ batch-invariant mode (``PD_BATCH_INVARIANT``), where every step runs here
 Rows are independent: a token's hidden state, logits and KV entries are bit-identical whether
 it is alone in the step or in a batch (see the kernel's header comment and
 ``tests/unit/test_fused_decode.py``). Against the unfused quantized path the matmuls are the
-same kernel; the RMSNorm, RoPE and SiLU differ in float32 rounding only.
+same kernel; the RMSNorm, RoPE and SiLU differ in float32 rounding only. A bfloat16 model on a
+CPU with AVX512-BF16 multiplies with bf16 dot products instead (:class:`FusedDecode`'s ``bf16``):
+matmul inputs and weights rounded to bf16, float32 sums (the unfused bf16 model rounds every
+activation to bf16 anyway; the error is about the same, ``tests/unit/test_fused_decode.py``).
 
 Eligible: ``model_type`` llama (or mistral without a sliding window), SiLU MLP, no
 projection biases, every projection a :class:`~engine.quant.BlockLinear` with Q/K/V of one

@@ -13,8 +13,9 @@
 // SiLU and the residuals stay float32.
 //
 // Row independence: every row (token) of a step is computed on its own: RMSNorm, RoPE, SiLU
-// and the KV write per row, and the matmuls through pdq::block_rows, whose reduction order for
-// a row does not depend on how many rows the call has. A token's output is therefore
+// and the KV write per row, and the matmuls through pdq::block_rows (or block_rows_bf16, fixed
+// per Blocks object), whose reduction order for a row does not depend on how many rows the call
+// has. A token's output is therefore
 // bit-identical alone or inside a batch (tests/unit/test_fused_decode.py checks it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
