@@ -18,7 +18,10 @@ batch-invariant mode (``PD_BATCH_INVARIANT``), where every step runs here
 Rows are independent: a token's hidden state, logits and KV entries are bit-identical whether
 it is alone in the step or in a batch (see the kernel's header comment and
 ``tests/unit/test_fused_decode.py``). Against the unfused quantized path the matmuls are the
-same kernel; the RMSNorm, RoPE and SiLU differ in float32 rounding only.
+same kernel; the RMSNorm, RoPE and SiLU differ in float32 rounding only. A bfloat16 model on a
+CPU with AVX512-BF16 multiplies with bf16 dot products instead (:class:`FusedDecode`'s ``bf16``):
+matmul inputs and weights rounded to bf16, float32 sums (the unfused bf16 model rounds every
+activation to bf16 anyway; the error is about the same, ``tests/unit/test_fused_decode.py``).
 
 Eligible: ``model_type`` llama (or mistral without a sliding window), SiLU MLP, no
 projection biases, every projection a :class:`~engine.quant.BlockLinear` with Q/K/V of one
@@ -39,9 +42,9 @@ log = get_logger(__name__)
 MAX_ROWS = 64
 
 
-def _stack(ext, layers: list[BlockLinear]):
+def _stack(ext, layers: list[BlockLinear], bf16: bool = False):
     """One ``Blocks`` over ``layers`` stacked along the output rows; each layer's buffers become
-    views of the stacked tensors (so the weights are held once)."""
+    views of the stacked tensors (so the weights are held once). ``bf16``: bf16 dot products."""
     codes = torch.cat([m.codes for m in layers])
     scale = torch.cat([m.scale for m in layers])
     minimum = torch.cat([m.minimum for m in layers]) if layers[0].bits == 4 else torch.empty(0)
@@ -52,7 +55,7 @@ def _stack(ext, layers: list[BlockLinear]):
         if m.bits == 4:
             m.minimum = minimum[start:end]
         start = end
-    return ext.Blocks(codes, scale, minimum, layers[0].bits)
+    return ext.Blocks(codes, scale, minimum, layers[0].bits, bf16)
 
 
 def _eligible(model: torch.nn.Module) -> str | None:
@@ -81,20 +84,29 @@ class FusedDecode:
     Args:
         model: a transformers Llama causal LM whose projections are BlockLinear.
         ext: the built extension (:func:`kernels.cpu.quant.load_fused`).
+        bf16: multiply with bf16 dot products (the matmul inputs and weights rounded to bf16,
+            float32 accumulation; quant_block.h). ``None``: when the model computes in
+            bfloat16 (its embedding's dtype, ``PD_DTYPE``) and the build has them
+            (``ext.has_bf16``: AVX512-BF16). Fixed per model, never per step or row count,
+            so a token's bits do not depend on its batch.
     """
 
-    def __init__(self, model: torch.nn.Module, ext):
+    def __init__(self, model: torch.nn.Module, ext, bf16: bool | None = None):
         config = model.config
         self.model = model
         self.ext = ext
+        if bf16 is None:
+            bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16
+        #: True when the matmuls use bf16 dot products (asked for and available)
+        self.bf16 = bool(bf16) and bool(getattr(ext, "has_bf16", False))
         self.layers = []
         self.scales = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj])
-            o = _stack(ext, [attn.o_proj])
-            down = _stack(ext, [mlp.down_proj])
+            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj], self.bf16)
+            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj], self.bf16)
+            o = _stack(ext, [attn.o_proj], self.bf16)
+            down = _stack(ext, [mlp.down_proj], self.bf16)
             self.layers.append(ext.DecodeLayer(
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 layer.input_layernorm.variance_epsilon, qkv, o, gate_up, down,
@@ -184,9 +196,12 @@ def token_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(tables).contiguous(), torch.cat(lens)
 
 
-def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device) -> FusedDecode | None:
+def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device,
+          bf16_dot: bool = False) -> FusedDecode | None:
     """The fused decode step for ``model``, or ``None`` when it is not eligible (the reason is
-    logged) or the extension cannot be built (the step then runs unfused, correct but slower)."""
+    logged) or the extension cannot be built (the step then runs unfused, correct but slower).
+    ``bf16_dot`` (``PD_BLOCK_DOT=bf16``): bf16 dot products when the model computes in bfloat16
+    and the CPU has them (else float32, logged); off by default until timed on such a CPU."""
     if device.type != "cpu" or kv_dtype not in (torch.float32, torch.bfloat16):
         return None
     if not any(isinstance(m, BlockLinear) for m in model.modules()):
@@ -202,8 +217,11 @@ def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device) -
     except Exception as exc:  # a failed build must not stop serving
         log.warning("fused_decode_unavailable", error=str(exc))
         return None
-    fused = FusedDecode(model, ext)
-    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa)
+    bf16_model = model.model.embed_tokens.weight.dtype == torch.bfloat16
+    if bf16_dot and not (bf16_model and getattr(ext, "has_bf16", False)):
+        log.warning("bf16_dot_unavailable", bf16_model=bf16_model, cpu_has_it=getattr(ext, "has_bf16", False))
+    fused = FusedDecode(model, ext, bf16=bf16_dot and bf16_model)
+    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa, bf16_dot=fused.bf16)
     return fused
 
 

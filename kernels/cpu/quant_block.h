@@ -11,10 +11,23 @@
 // defined, else AVX2 + FMA. See block_rows for the two ways a call runs (few rows: widen in
 // registers; more: widen four weight rows once into an L1 buffer, then 4 x 4 register tiles).
 //
+// Two arithmetics, chosen by the caller once per weight object (never per call or row count):
+//   * float32 (block_rows): x float32, weights widened to float32 exactly, float32 FMAs. The
+//     only path of float32 models and of CPUs without AVX512-BF16.
+//   * bf16 dot products (block_rows_bf16, only where __AVX512BF16__ is defined: a bfloat16
+//     model on e.g. AMD Zen 4 / Intel Cooper Lake+): where it rounds, (1) each weight
+//     w = q d (+ m) is computed in float32 as above (one FMA) and rounded to bf16 to nearest
+//     even (vcvtne2ps2bf16: the bits torch's .to(torch.bfloat16) gives the de-quantized
+//     float32 weights, except that float32 denormals become zero); (2) each row of x is
+//     rounded to bf16 the same way once per call (round_rows_bf16); (3) `vdpbf16ps` adds
+//     the exact products of pairs of bf16 to float32 accumulators (float32 rounding per add).
+//     One instruction does 32 multiply-adds where an FMA does 16.
+//
 // Row independence: every (row of x, weight row) pair is reduced by the same instruction
 // sequence whatever the number of rows in the call or the path taken (one accumulator vector
-// over K in order, then one horizontal sum), so a row's result is bit-identical alone or
-// inside a batch. The batch-invariance work (issue 13) relies on this.
+// over K in order, then one horizontal sum; for bf16, one vdpbf16ps chain over K in steps of
+// 32), so a row's result is bit-identical alone or inside a batch. The batch-invariance work
+// (issue 13) relies on this.
 #pragma once
 
 #include <immintrin.h>
@@ -218,6 +231,206 @@ inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* code
     }
   }
 }
+
+// ---- bf16 dot products (AVX512-BF16 `vdpbf16ps`) --------------------------------------------
+// The same two paths as block_rows, with weights and x rounded to bf16 and each (row of x,
+// weight row) pair reduced by ONE chain acc = vdpbf16ps(acc, x[k..k+32), w[k..k+32)) for
+// k = 0, 32, 64, ... in order (lane i takes elements k+2i and k+2i+1), then one horizontal
+// sum: a row's bits do not depend on the row count, the path or the weight rows' tiling.
+// Where it rounds: (1) each weight w = q d (+ m) is computed in float32 exactly as the float32
+// path does (one FMA), then rounded to bf16 to nearest even (`vcvtne2ps2bf16`; the same
+// bits as torch's .to(torch.bfloat16) of the de-quantized float32 weights, except that the
+// instruction flushes float32 denormals (|w| < 2^-126) to zero); (2) each row of x is rounded
+// to bf16 the same way once per call (block_rows_bf16's caller, round_rows_bf16); (3) the
+// products of two bf16 values are exact in float32 and the accumulation rounds to float32.
+// Used only when the caller asks for it (the model computes in bfloat16) and the build has
+// __AVX512BF16__; PDQ_BF16_EMULATE builds the same loops over a scalar model of the three
+// instructions (lanes as Intel's pseudo-code orders them) so tests exercise them on any CPU.
+// Scalar models of one float32 -> bf16 rounding (vcvtne2ps2bf16: to nearest even, denormals
+// flushed, NaN kept quiet) and of bf16 -> float32 (exact).
+inline uint16_t bf16_rne(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7F800000u) == 0) u &= 0x80000000u;  // denormal -> signed zero (the instruction's DAZ/FTZ)
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN -> quiet
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float bf16_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+#if defined(PDQ_BF16_EMULATE)
+#define PDQ_BF16 1
+inline constexpr bool kBf16Native = false;
+struct vbh { uint16_t e[32]; };  // 32 bf16
+struct vacc { float f[16]; };    // 16 float32 lanes
+inline vacc bzero() { return vacc{}; }
+inline vbh bload(const uint16_t* p) { vbh v; std::memcpy(v.e, p, sizeof v.e); return v; }
+inline void bstore(uint16_t* p, vbh v) { std::memcpy(p, v.e, sizeof v.e); }
+// 32 float32 -> 32 bf16 in order.
+inline vbh bpack(const float* p) { vbh v; for (int i = 0; i < 32; ++i) v.e[i] = bf16_rne(p[i]); return v; }
+// Intel SDM, VDPBF16PS: srcdest.fp32[i] += a[2i+1] b[2i+1]; srcdest.fp32[i] += a[2i] b[2i].
+inline vacc bdot(vacc acc, vbh a, vbh b) {
+  for (int i = 0; i < 16; ++i) {
+    // the products are exact in float32, so contracting either step into an FMA changes nothing
+    const float t = acc.f[i] + bf16_float(a.e[2 * i + 1]) * bf16_float(b.e[2 * i + 1]);
+    acc.f[i] = t + bf16_float(a.e[2 * i]) * bf16_float(b.e[2 * i]);
+  }
+  return acc;
+}
+// _mm512_reduce_add_ps's order: halves of 8, 4, 2, 1 lanes added pairwise.
+inline float bsum(vacc v) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) v.f[i] = v.f[i] + v.f[i + w];
+  return v.f[0];
+}
+#elif defined(PDQ_AVX512) && defined(__AVX512BF16__)
+#define PDQ_BF16 1
+inline constexpr bool kBf16Native = true;
+using vbh = __m512bh;
+using vacc = __m512;
+inline vacc bzero() { return _mm512_setzero_ps(); }
+inline vbh bload(const uint16_t* p) { return (vbh)_mm512_loadu_si512(p); }
+inline void bstore(uint16_t* p, vbh v) { _mm512_storeu_si512(p, (__m512i)v); }
+// _mm512_cvtne2ps_pbh(a, b) puts b's 16 values in the low half: (hi, lo) keeps the order.
+inline vbh bpack2(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+inline vbh bpack(const float* p) { return bpack2(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)); }
+inline vacc bdot(vacc acc, vbh a, vbh b) { return _mm512_dpbf16_ps(acc, a, b); }
+inline float bsum(vacc v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+#ifdef PDQ_BF16
+// Rows of x [n float32, n % 32 == 0] rounded to bf16 (to nearest even).
+inline void round_rows_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t k = 0; k < n; k += G) bstore(out + k, bpack(x + k));
+}
+
+// The 32 weights of group g of one weight row as 32 bf16, in order.
+template <bool Q4>
+inline vbh group_bf16(const uint8_t* codes, const float* d, const float* m, int64_t g) {
+  vf w[V];
+  group_vectors<Q4>(codes, d, m, g, w);
+#if defined(PDQ_BF16_EMULATE)
+  alignas(64) float f[G];
+  for (int v = 0; v < V; ++v) std::memcpy(f + v * L, &w[v], sizeof(vf));
+  return bpack(f);
+#else
+  return bpack2(w[0], w[1]);
+#endif
+}
+
+// Few rows (<= 4): NB weight rows against R bf16 rows of x, groups widened in registers.
+template <bool Q4, int R, int NB>
+inline void tile_registers_bf16(const uint16_t* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                                int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  vacc acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = bzero();
+  for (int64_t g = 0; g < ng; ++g) {
+    vbh w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = group_bf16<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g);
+    for (int r = 0; r < R; ++r) {
+      const vbh xv = bload(x + r * K + g * G);
+      for (int j = 0; j < NB; ++j) acc[r][j] = bdot(acc[r][j], xv, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = bsum(acc[r][j]);
+}
+
+// More rows: NB weight rows already widened to bf16 (w, row stride K) against R rows.
+template <int R, int NB>
+inline __attribute__((always_inline)) void tile_widened_bf16(const uint16_t* x, int64_t K, const uint16_t* w,
+                                                             float* y, int64_t ldy) {
+  vacc acc[R][NB];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = bzero();
+  for (int64_t k = 0; k < K; k += G) {
+    vbh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = bload(w + j * K + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const vbh xv = bload(x + r * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = bdot(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = bsum(acc[r][j]);
+}
+
+template <bool Q4, int NB>
+inline void rows_registers_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                                const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  switch (M) {
+    case 4: tile_registers_bf16<Q4, 4, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 3: tile_registers_bf16<Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 2: tile_registers_bf16<Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    default: tile_registers_bf16<Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+  }
+}
+
+template <int NB>
+inline void rows_widened_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) tile_widened_bf16<4, NB>(x + r * K, K, w, y + r * ldy, ldy);
+  switch (M - r) {
+    case 3: tile_widened_bf16<3, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 2: tile_widened_bf16<2, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 1: tile_widened_bf16<1, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+
+// block_rows with bf16 dot products: weight rows [n0, n1) against the M rows of x already
+// rounded to bf16 (xb [M, K], round_rows_bf16): y[r * ldy + n]. Up to four rows, each group is
+// widened in registers (two float32 vectors -> one bf16 vector); above four, four weight rows
+// are widened once into an L1 buffer of bf16 and read by 4 x 4 tiles (16 vdpbf16ps per 8 loads).
+template <bool Q4>
+inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                            const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (M <= 0) return;
+  const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
+  thread_local std::vector<uint16_t> widened;
+  if (M > 4) widened.resize(static_cast<size_t>(4 * K));
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
+    const uint8_t* c = codes + n * row_bytes;
+    const float* dn = d + n * ng;
+    const float* mn = Q4 ? m + n * ng : d;
+    if (M <= 4) {
+      switch (nb) {
+        case 4: rows_registers_bf16<Q4, 4>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+        case 3: rows_registers_bf16<Q4, 3>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+        case 2: rows_registers_bf16<Q4, 2>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+        default: rows_registers_bf16<Q4, 1>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
+      }
+      continue;
+    }
+    for (int j = 0; j < nb; ++j)
+      for (int64_t g = 0; g < ng; ++g)
+        bstore(widened.data() + j * K + g * G, group_bf16<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g));
+    switch (nb) {
+      case 4: rows_widened_bf16<4>(xb, M, K, widened.data(), y + n, ldy); break;
+      case 3: rows_widened_bf16<3>(xb, M, K, widened.data(), y + n, ldy); break;
+      case 2: rows_widened_bf16<2>(xb, M, K, widened.data(), y + n, ldy); break;
+      default: rows_widened_bf16<1>(xb, M, K, widened.data(), y + n, ldy); break;
+    }
+  }
+}
+#endif
+inline constexpr bool kHasBf16 =
+#ifdef PDQ_BF16
+    true;
+#else
+    false;
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PDQ_VNNI 1

@@ -9,6 +9,8 @@
 // vectorized paths for AVX-512 only; on an AVX2-only CPU they ran 15-50x slower than an fp32
 // GEMV (measured, docs/decisions.md). The inner loops (AVX-512 or AVX2, chosen at build) are in
 // quant_block.h, shared with the fused decode step; each row of x is computed independently.
+// bf16=True (builds with AVX512-BF16, has_bf16): x and the weights rounded to bf16 and bf16 dot
+// products (`vdpbf16ps`), the path of a bfloat16 model's fused decode step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -22,7 +24,7 @@ using pdq::G;
 using pdq::load_group;
 
 template <bool Q4>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, bool bf16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % G == 0, "K must be a multiple of 32");
@@ -38,6 +40,18 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  TORCH_CHECK(!bf16 || pdq::kHasBf16, "bf16 dot products need a build with AVX512-BF16 (has_bf16)");
+#ifdef PDQ_BF16
+  if (bf16) {
+    std::vector<uint16_t> xb(static_cast<size_t>(M * K));  // x rounded to bf16 once per call
+    pdq::round_rows_bf16(xp, M * K, xb.data());
+    const uint16_t* xbp = xb.data();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      pdq::block_rows_bf16<Q4>(xbp, M, K, cp, dp, mp, n0, n1, op, N);
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     pdq::block_rows<Q4>(xp, M, K, cp, dp, mp, n0, n1, op, N);
   });
@@ -106,11 +120,16 @@ torch::Tensor q4_linear_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_linear", &block_linear<true>, py::call_guard<py::gil_scoped_release>(), "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]");
-  mod.def("q8_linear", &block_linear<false>, py::call_guard<py::gil_scoped_release>(), "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]");
+  mod.def("q4_linear", &block_linear<true>, py::call_guard<py::gil_scoped_release>(),
+          "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products",
+          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false);
+  mod.def("q8_linear", &block_linear<false>, py::call_guard<py::gil_scoped_release>(),
+          "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products",
+          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false);
   mod.def("q4_dequantize", &block_dequantize<true>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from 4-bit GGUF blocks");
   mod.def("q8_dequantize", &block_dequantize<false>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from Q8_0 blocks");
   mod.attr("isa") = pdq::kIsa;
+  mod.attr("has_bf16") = pdq::kHasBf16;  // bf16=True accepted (AVX512-BF16, or the emulated test build)
 #ifdef PDQ_VNNI
   mod.def("q4_linear_vnni", &q4_linear_vnni, py::call_guard<py::gil_scoped_release>(), "x W^T, 4-bit blocks, x quantized per 32 to int8 (VNNI)");
 #endif

@@ -175,3 +175,48 @@ def test_a_quantized_head_gives_float32_logits_in_a_bfloat16_model(tiny_model):
     logits = model.lm_head(x)
     assert logits.dtype == torch.float32
     assert torch.equal(logits, model.lm_head(x.float()))
+
+
+@pytest.mark.timeout(900)  # the emulated build compiles an extension of its own
+@pytest.mark.parametrize("path", ["bf16", "bf16-emulated"])
+def test_bf16_dot_products_in_a_bfloat16_model_keep_rows_independent(tiny_model, path):
+    """A bfloat16 model's fused step multiplies with bf16 dot products (x and weights rounded
+    to bf16, float32 sums; a float32 model keeps the float32 loops): each token's logits and KV
+    entries are still bit-identical alone or in the batch, and close to the unfused bf16 model's
+    (which rounds every activation to bf16). Runs on an AVX512-BF16 CPU, and emulated on any."""
+    from kernels.cpu import quant
+
+    ext = quant.load_fused(emulate_bf16=path == "bf16-emulated")
+    if not ext.has_bf16:
+        pytest.skip("this CPU has no AVX512-BF16 (the emulated build covers the same loops)")
+    assert not fused_decode.FusedDecode(quantized(tiny_model[0], "Q4_1"), ext).bf16  # float32 model
+    model = copy.deepcopy(tiny_model[0]).to(torch.bfloat16)
+    quantize_float(model, "Q4_1")  # as the engine does: quantized after the cast
+    fused = fused_decode.FusedDecode(model, ext)
+    assert fused.bf16 and not fused_decode.FusedDecode(model, ext, bf16=False).bf16
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8 * 16, BLOCK, torch.bfloat16,
+                         torch.device("cpu"), "tiny")
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
+    rng = random.Random(0)
+    lens = [rng.randrange(2, 60) for _ in range(8)]
+    ids = torch.tensor([rng.randrange(3, cfg.vocab_size) for _ in range(8)])
+    pos = torch.tensor(lens) - 1
+    attention = kernels.select("cpu", "cpu", "bfloat16")
+    with torch.inference_mode():
+        meta = decode_meta(cache, lens, list(range(8)), attention)
+        unfused = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, pd_attn=meta).logits[0].float()
+        float_dot = fused_decode.FusedDecode(model, ext, bf16=False).logits(ids, pos, meta, torch.arange(8))
+        batch = fused.logits(ids, pos, meta, torch.arange(8))
+        kv_after_batch = cache.kv.clone()
+        assert not torch.equal(batch, float_dot)  # the bf16 loops ran
+        # against the float32 loops on the same weights, about as far off as the bf16 model itself
+        err = ((batch - float_dot).norm() / float_dot.norm()).item()
+        bf16_model_err = ((unfused - float_dot).norm() / float_dot.norm()).item()
+        print(f"relative error: bf16 dot products {err:.2e}, unfused bf16 model {bf16_model_err:.2e}")
+        assert 0 < err <= 1.5 * bf16_model_err  # measured: 1.46e-2 vs 1.44e-2 (emulated build)
+        for row in (0, 3, 7):
+            alone = fused.logits(ids[row:row + 1], pos[row:row + 1], decode_meta(cache, lens, [row], attention),
+                                 torch.arange(1))
+            assert torch.equal(alone[0], batch[row]), row
+        assert torch.equal(cache.kv, kv_after_batch)

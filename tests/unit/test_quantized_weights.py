@@ -35,22 +35,65 @@ def test_blocks_kept_exactly_and_multiplied_like_the_gguf_dequantization(qtype):
         torch.testing.assert_close(layer(x), x @ reference.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype):
-    """The kernel widens groups in registers up to four rows of x and into an L1 buffer above;
-    a row's bits must not depend on which path, on its position or on the weight rows' tiling
-    (30 output rows: tiles of four and a tail of two). Zero rows give an empty result."""
+def _kernel_ext(path: str):
+    """The quant_linear build for ``path`` (float32, bf16 on this CPU, bf16 emulated), or skip."""
     from kernels.cpu import quant
 
-    ext = quant.load()
+    ext = quant.load(emulate_bf16=path == "bf16-emulated")
+    if path == "bf16" and not ext.has_bf16:
+        pytest.skip("this CPU has no AVX512-BF16 (the emulated build covers the same loops)")
+    return ext
+
+
+def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool) -> torch.Tensor:
+    kernel = ext.q4_linear if layer.bits == 4 else ext.q8_linear
+    return kernel(x, layer.codes, layer.scale, layer.minimum, bf16=bf16)
+
+
+@pytest.mark.timeout(900)  # the emulated build compiles an extension of its own
+@pytest.mark.parametrize("path", ["float32", "bf16", "bf16-emulated"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path):
+    """The kernel widens groups in registers up to four rows of x and into an L1 buffer above;
+    a row's bits must not depend on which path, on its position or on the weight rows' tiling
+    (30 output rows: tiles of four and a tail of two). Zero rows give an empty result. The
+    same for the bf16 dot-product loops (on an AVX512-BF16 CPU, and emulated on any)."""
+    ext = _kernel_ext(path)
+    bf16 = path != "float32"
     layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30)))
     x = torch.randn(KERNEL_MAX_ROWS, 96, generator=torch.Generator().manual_seed(2))
-    full = layer.kernel_rows(x, ext)
+    full = _kernel_rows(layer, x, ext, bf16)
     for rows in range(1, 10):
         for start in (0, 5, KERNEL_MAX_ROWS - rows):
-            part = layer.kernel_rows(x[start:start + rows].contiguous(), ext)
+            part = _kernel_rows(layer, x[start:start + rows].contiguous(), ext, bf16)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
-    assert layer.kernel_rows(x[:0], ext).shape == (0, 30)
+    assert _kernel_rows(layer, x[:0], ext, bf16).shape == (0, 30)
+
+
+@pytest.mark.parametrize("path", ["bf16", "bf16-emulated"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
+    """bf16 dot products: x and the de-quantized weights rounded to bf16 as torch's
+    .to(bfloat16) does, the products summed in float32. Tolerances: float32 summation order
+    only (not rounding x or W would be off by ~1e-2 here)."""
+    ext = _kernel_ext(path)
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30, cols=256)))
+    x = torch.randn(KERNEL_MAX_ROWS, 256, generator=torch.Generator().manual_seed(3))
+    w = layer.dequantized().to(torch.bfloat16).double()
+    for rows in (1, 4, KERNEL_MAX_ROWS):
+        expected = (x[:rows].to(torch.bfloat16).double() @ w.T).float()
+        got = _kernel_rows(layer, x[:rows], ext, True)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+        assert (got - (x[:rows] @ layer.dequantized().T)).abs().max() > 1e-3  # it did round
+
+
+def test_bf16_kernel_refused_by_a_build_without_it():
+    ext = _kernel_ext("float32")
+    if ext.has_bf16:
+        pytest.skip("this CPU has AVX512-BF16")
+    layer = BlockLinear.from_gguf(split_blocks("Q8_0", _blocks("Q8_0")))
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        _kernel_rows(layer, torch.randn(2, 96), ext, True)
 
 
 def test_unpermute_matches_transformers_gguf_loader():
