@@ -8,9 +8,11 @@ Lab, 2025: each row's reductions in a fixed order with fixed split sizes):
 * **Linear layers.** A GEMM's blocking, and so each output's order of accumulation, is
   chosen from the matrix shape: torch's float32 CPU matmul takes a GEMV path at one row and
   a blocked GEMM from two (results differ in the last bits), and the C++ small-batch kernel
-  (``kernels.cpu.accelerate_linears``) serves one row but not two. Here every float linear
-  runs as calls of exactly :data:`LINEAR_ROWS` rows (the last one zero-padded), so the
-  library sees one shape whatever the step holds; a row's result is then independent of
+  (``kernels.cpu.accelerate_linears``) serves one row but not two. Here float32 linears run
+  through the block kernel's per-row loops (:func:`float32_linear`: one accumulator chain per
+  output, no padding, so a one-row step costs what a GEMV does); other float linears (bf16
+  weights) as calls of exactly :data:`LINEAR_ROWS` rows (the last one zero-padded), so the
+  library sees one shape whatever the step holds. Either way a row's result is independent of
   its position in the call and of its neighbours (checked in
   ``tests/unit/test_batch_invariance.py``).
 * **Quantized linears** (``engine.quant.BlockLinear``): the block kernel computes each row
@@ -68,11 +70,31 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out[:m].view(*x.shape[:-1], weight.shape[0])
 
 
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ext) -> torch.Tensor:
+    """``x W^T + b`` for float32 ``x`` and ``weight`` through the block kernel's per-row loops
+    (``ext.float_linear``, kernels/cpu/quant_linear.cpp) in calls of at most
+    :data:`QUANT_ROWS` rows: each row bit-identical whatever the other rows, with no padding (a
+    one-row decode step reads the weights once, as a GEMV; :func:`invariant_linear`'s padded
+    calls cost 32x the FLOPs there). Shapes as :func:`invariant_linear`."""
+    k = weight.shape[1]
+    flat = x.reshape(-1, k)
+    out = torch.cat([ext.float_linear(c, weight) for c in flat.split(QUANT_ROWS)])
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _route_linears(model: torch.nn.Module) -> int:
+    ext = _kernel()
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.forward = lambda x, m=module: invariant_linear(x, m.weight, m.bias)
+            if (ext is not None and hasattr(ext, "float_linear") and module.weight.dtype == torch.float32
+                    and module.weight.device.type == "cpu" and module.in_features % 16 == 0):
+                module.forward = lambda x, m=module: (float32_linear(x, m.weight, m.bias, ext)
+                                                      if x.dtype == torch.float32 else invariant_linear(x, m.weight, m.bias))
+            else:
+                module.forward = lambda x, m=module: invariant_linear(x, m.weight, m.bias)
         elif isinstance(module, BlockLinear):
             module.forward = lambda x, m=module: _quant_forward(m, x)
         else:

@@ -2,8 +2,8 @@
 machine): float weights (``PD_WEIGHTS=float``, the dtype's matrices), GGUF blocks op by op
 (``PD_WEIGHTS=auto`` with the fused step switched off) and GGUF blocks with the fused decode
 step (``engine/fused_decode.py``), against the bandwidth roofline of the bytes each reads.
-``fused-f32dot``: the fused step with its float32 dot products forced (in a bfloat16 model on an
-AVX512-BF16 CPU the fused step uses bf16 dot products; compare the two in one run).
+``fused-bf16dot``: the fused step with bf16 dot products (``PD_BLOCK_DOT=bf16``: a bfloat16
+model on an AVX512-BF16 CPU; elsewhere it runs the float32 loops and says so in its log).
 
 ``python -m loadtest.bench_decode_paths [--batches 1,8,64] [--context 512] [--steps 12]``
 """
@@ -11,7 +11,6 @@ AVX512-BF16 CPU the fused step uses bf16 dot products; compare the two in one ru
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 import torch
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--paths", default="float,blocks,fused", help="which of float, blocks, fused, fused-f32dot to run")
+    p.add_argument("--paths", default="float,blocks,fused", help="which of float, blocks, fused, fused-bf16dot to run")
     args = p.parse_args(argv)
     from engine import fused_decode
     from engine.factory import build_engine
@@ -44,15 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory read bandwidth {bw:.1f} GB/s, bf16 matmul {bf16:.0f} GFLOP/s, {args.threads} threads, context {args.context}, "
           f"{torch.__config__.parallel_info().splitlines()[0]}")
     build = fused_decode.build
-    fused_class = fused_decode.FusedDecode
     results = {}
     paths = {"float": ("float", "float", False), "blocks": ("blocks, op by op", "auto", False),
-             "fused": ("blocks, fused step", "auto", True), "fused-f32dot": ("fused, f32 dot", "auto", True)}
+             "fused": ("blocks, fused step", "auto", True), "fused-bf16dot": ("fused, bf16 dot", "auto", True)}
     for label, weights, fused in (paths[name] for name in args.paths.split(",")):
-        settings = base.replace(weights=weights)
+        settings = base.replace(weights=weights, block_dot="bf16" if label == "fused, bf16 dot" else "float32")
         fused_decode.build = build if fused else (lambda *a, **k: None)
-        if label == "fused, f32 dot":
-            fused_decode.FusedDecode = functools.partial(fused_class, bf16=False)
         try:
             probe = build_engine(settings.replace(kv_cache_memory_bytes=64 << 20))
             weight_bytes = weight_bytes_read(probe.model) + args.context * probe.bytes_per_token  # + one sequence's KV
@@ -62,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
             results[label] = (weight_bytes, decode_rates(settings, batches, args.context, args.steps))
         finally:
             fused_decode.build = build
-            fused_decode.FusedDecode = fused_class
         wb, rates = results[label]
         roof_ms = wb / (bw * 1e9) * 1e3
         cells = "  ".join(f"b{b}: {s * 1e3:6.1f} ms ({b / s:6.1f} tok/s)" for b, s in rates.items())
@@ -72,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':<20} batch {top}: {top / rates[top] * flops_per_token / 1e9 / bf16 * 100:.1f}% of the bf16 "
               f"matmul rate ({bf16:.0f} GFLOP/s, the compute roofline)")
     fused_rates = results.get("blocks, fused step", (0, {}))[1]
-    for label in [k for k in ("float", "blocks, op by op", "fused, f32 dot") if k in results and fused_rates]:
+    for label in [k for k in ("float", "blocks, op by op", "fused, bf16 dot") if k in results and fused_rates]:
         ratios = "  ".join(f"b{b}: {results[label][1][b] / fused_rates[b]:.2f}x" for b in batches)
         print(f"fused step vs {label}: {ratios}")
     return 0

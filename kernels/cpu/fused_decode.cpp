@@ -28,7 +28,6 @@
 
 #include "exp_poly.h"
 
-#include "parallel_chunks.h"
 #include "quant_block.h"
 
 namespace py = pybind11;
@@ -52,8 +51,7 @@ struct Blocks {
     TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.sizes() == d.sizes()), "m must be float32 [N, K/32]");
   }
 
-  // y[M, N] (row stride ldy) = x[M, K] W^T, weight rows taken in chunks by the threads
-  // (parallel_chunks.h: a preempted thread delays the call by one chunk, not by its share).
+  // y[M, N] (row stride ldy) = x[M, K] W^T, weight rows split across threads.
   void matmul(const float* x, int64_t M, float* y, int64_t ldy) const {
     const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
     const float* dp = d.data_ptr<float>();
@@ -64,14 +62,14 @@ struct Blocks {
       xb.resize(static_cast<size_t>(M * K));
       pdq::round_rows_bf16(x, M * K, xb.data());
       const uint16_t* xp = xb.data();
-      pdq::parallel_chunks(N, pdq::row_chunk(N), [&](int64_t n0, int64_t n1) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         if (q4) pdq::block_rows_bf16<true>(xp, M, K, cp, dp, mp, n0, n1, y, ldy);
         else pdq::block_rows_bf16<false>(xp, M, K, cp, dp, mp, n0, n1, y, ldy);
       });
       return;
     }
 #endif
-    pdq::parallel_chunks(N, pdq::row_chunk(N), [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       if (q4) pdq::block_rows<true>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
       else pdq::block_rows<false>(x, M, K, cp, dp, mp, n0, n1, y, ldy);
     });

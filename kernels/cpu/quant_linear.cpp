@@ -82,6 +82,35 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   return out;
 }
 
+// y = x W^T for float32 weights [N, K] with the block kernel's widened-weights loops (4 x 4
+// register tiles, one accumulator chain per output over K in order): each row's result is the
+// same bits whatever the number of rows, which a GEMM library's blocking does not promise. The
+// batch-invariant mode's float32 linears (engine/batch_invariant.py); K a multiple of 16.
+torch::Tensor float_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.size(1) == x.size(1), "w must be float32 [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 16 == 0, "K must be a multiple of 16");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t n = 4 * b0; n < std::min(N, 4 * b1); n += 4) {
+      const float* wn = wp + n * K;
+      switch (std::min<int64_t>(4, N - n)) {
+        case 4: pdq::rows_widened<4>(xp, M, K, wn, op + n, N); break;
+        case 3: pdq::rows_widened<3>(xp, M, K, wn, op + n, N); break;
+        case 2: pdq::rows_widened<2>(xp, M, K, wn, op + n, N); break;
+        default: pdq::rows_widened<1>(xp, M, K, wn, op + n, N); break;
+      }
+    }
+  });
+  return out;
+}
+
 #ifdef PDQ_VNNI
 // x W^T with x quantized per 32 inputs to int8 and VNNI dot products (4-bit blocks only; see
 // pdq::dot_rows_vnni). Measured against q4_linear in docs/decisions.md; not used by default.
@@ -128,6 +157,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false);
   mod.def("q4_dequantize", &block_dequantize<true>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from 4-bit GGUF blocks");
   mod.def("q8_dequantize", &block_dequantize<false>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from Q8_0 blocks");
+  mod.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(),
+          "x W^T, float32 weights, each row's bits independent of the row count");
   mod.attr("isa") = pdq::kIsa;
   mod.attr("has_bf16") = pdq::kHasBf16;  // bf16=True accepted (AVX512-BF16, or the emulated test build)
 #ifdef PDQ_VNNI

@@ -119,6 +119,28 @@ def test_linear_rows_do_not_depend_on_neighbours():
             assert torch.equal(invariant_linear(batch, w, b)[pos], alone[0]), (dtype, m, pos)
 
 
+def test_float32_linear_rows_do_not_depend_on_neighbours_and_match_torch():
+    """float32 linears go through the block kernel's per-row loops (no padding): a row's bits
+    at any position and row count, K and N not multiples of the tile, close to torch."""
+    from engine.batch_invariant import float32_linear
+    from engine.quant import _kernel
+
+    ext = _kernel()
+    if ext is None or not hasattr(ext, "float_linear"):
+        pytest.skip("no C++ kernel build on this machine")
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(99, 80, generator=gen)
+    b = torch.randn(99, generator=gen)
+    x = torch.randn(1, 80, generator=gen)
+    alone = float32_linear(x, w, b, ext)
+    torch.testing.assert_close(alone, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for m, pos in [(2, 1), (3, 2), (4, 0), (5, 4), (17, 9), (64, 63), (65, 64), (130, 100)]:
+        batch = torch.randn(m, 80, generator=gen)
+        batch[pos] = x[0]
+        assert torch.equal(float32_linear(batch, w, b, ext)[pos], alone[0]), (m, pos)
+    assert float32_linear(torch.empty(0, 80), w, b, ext).shape == (0, 99)
+
+
 def test_seeded_request_alone_and_beside_unseeded_copies(bf16_model, monkeypatch):
     """The issue's example: "Once upon a time", 16 tokens at temperature 0.8, seed 42, alone
     three times (the second and third hit the prefix cache) and beside five unseeded copies."""

@@ -103,3 +103,20 @@ def test_transformers_baseline_server_streams_through_the_client(tiny_model_dir)
         result = asyncio.run(go())
     assert result.ok, result.error
     assert result.output_tokens == 6 and result.ttft_s is not None and result.ttft_s > 0
+
+
+def test_llama_build_flags_follow_the_cpu_and_never_turn_amx_on(monkeypatch, tmp_path):
+    from loadtest.baselines import llama_build_dir, llama_cmake_flags
+
+    monkeypatch.delenv("PD_LLAMA_CMAKE_FLAGS", raising=False)
+    monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))
+    zen3 = llama_cmake_flags("flags : fpu sse2 avx avx2 fma f16c")
+    xeon = llama_cmake_flags("flags : avx avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 amx_tile amx_bf16")
+    assert "-DGGML_AVX2=ON" in zen3 and "-DGGML_AVX512=OFF" in zen3 and "-DGGML_AVX512_BF16=OFF" in zen3
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"} <= set(xeon)
+    for flags in (zen3, xeon):
+        assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AMX_TILE=OFF" in flags and "-DGGML_AMX_BF16=OFF" in flags
+    # one build folder per set of flags, under the cache folder
+    assert llama_build_dir(zen3) != llama_build_dir(xeon) and llama_build_dir(zen3).is_relative_to(tmp_path)
+    monkeypatch.setenv("PD_LLAMA_CMAKE_FLAGS", "-DGGML_AVX2=OFF -DX=1")
+    assert llama_cmake_flags("avx2") == ["-DGGML_AVX2=OFF", "-DX=1"]
