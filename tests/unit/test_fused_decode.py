@@ -41,6 +41,18 @@ def decode_meta(cache: PagedKVCache, lens: list[int], rows: list[int], attention
         decode_context_lens=torch.tensor([lens[i] for i in rows]), attention=attention)
 
 
+def random_decode_step(cfg, kv_dtype):
+    """A KV cache of random contents and eight decode tokens over it: (cache, context lengths,
+    token ids, positions), the same for a given config and dtype."""
+    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8 * 16, BLOCK, kv_dtype,
+                         torch.device("cpu"), "tiny")
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
+    rng = random.Random(0)
+    lens = [rng.randrange(2, 60) for _ in range(8)]
+    ids = torch.tensor([rng.randrange(3, cfg.vocab_size) for _ in range(8)])
+    return cache, lens, ids, torch.tensor(lens) - 1
+
+
 @pytest.mark.parametrize("qtype,kv_dtype", [("Q4_1", torch.float32), ("Q8_0", torch.float32),
                                             ("Q4_1", torch.bfloat16)])
 def test_fused_step_matches_unfused_and_each_row_is_independent(tiny_model, qtype, kv_dtype):
@@ -48,13 +60,7 @@ def test_fused_step_matches_unfused_and_each_row_is_independent(tiny_model, qtyp
     cfg = model.config
     fused = fused_decode.build(model, kv_dtype, torch.device("cpu"))
     assert fused is not None
-    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8 * 16, BLOCK, kv_dtype,
-                         torch.device("cpu"), "tiny")
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
-    rng = random.Random(0)
-    lens = [rng.randrange(2, 60) for _ in range(8)]
-    ids = torch.tensor([rng.randrange(3, cfg.vocab_size) for _ in range(8)])
-    pos = torch.tensor(lens) - 1
+    cache, lens, ids, pos = random_decode_step(cfg, kv_dtype)
     attention = kernels.select("cpu", "cpu", str(kv_dtype).removeprefix("torch."))
     everyone = list(range(8))
 
@@ -195,13 +201,7 @@ def test_bf16_dot_products_in_a_bfloat16_model_keep_rows_independent(tiny_model,
     fused = fused_decode.FusedDecode(model, ext)
     assert fused.bf16 and not fused_decode.FusedDecode(model, ext, bf16=False).bf16
     cfg = model.config
-    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8 * 16, BLOCK, torch.bfloat16,
-                         torch.device("cpu"), "tiny")
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)))
-    rng = random.Random(0)
-    lens = [rng.randrange(2, 60) for _ in range(8)]
-    ids = torch.tensor([rng.randrange(3, cfg.vocab_size) for _ in range(8)])
-    pos = torch.tensor(lens) - 1
+    cache, lens, ids, pos = random_decode_step(cfg, torch.bfloat16)
     attention = kernels.select("cpu", "cpu", "bfloat16")
     with torch.inference_mode():
         meta = decode_meta(cache, lens, list(range(8)), attention)
