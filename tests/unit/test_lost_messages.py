@@ -17,8 +17,8 @@ from services.gateway.run import Choice, RequestRun
 from services.postfilter.worker import PostfilterWorker
 from services.prefill.worker import PrefillWorker
 from services.tokenizer.worker import TokenizerWorker
-from shared.config import Settings
 from shared.bus import NoResponders
+from shared.config import Settings
 from shared.memory_bus import MemoryBus
 from shared.messages import RequestMeta, SamplingParams, TextChunk, TokenChunk, TokenizeTask
 
