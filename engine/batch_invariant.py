@@ -89,7 +89,7 @@ def _route_linears(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            if (ext is not None and hasattr(ext, "float_linear") and module.weight.dtype == torch.float32
+            if (ext is not None and module.weight.dtype == torch.float32
                     and module.weight.device.type == "cpu" and module.in_features % 16 == 0):
                 module.forward = lambda x, m=module: (float32_linear(x, m.weight, m.bias, ext)
                                                       if x.dtype == torch.float32 else invariant_linear(x, m.weight, m.bias))

@@ -217,10 +217,10 @@ def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device,
     except Exception as exc:  # a failed build must not stop serving
         log.warning("fused_decode_unavailable", error=str(exc))
         return None
-    bf16_model = model.model.embed_tokens.weight.dtype == torch.bfloat16
-    if bf16_dot and not (bf16_model and getattr(ext, "has_bf16", False)):
-        log.warning("bf16_dot_unavailable", bf16_model=bf16_model, cpu_has_it=getattr(ext, "has_bf16", False))
-    fused = FusedDecode(model, ext, bf16=bf16_dot and bf16_model)
+    fused = FusedDecode(model, ext, bf16=None if bf16_dot else False)  # None: where the model and CPU allow
+    if bf16_dot and not fused.bf16:
+        log.warning("bf16_dot_unavailable", model_dtype=str(model.model.embed_tokens.weight.dtype),
+                    cpu_has_it=getattr(ext, "has_bf16", False))
     log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa, bf16_dot=fused.bf16)
     return fused
 

@@ -146,13 +146,15 @@ def llama_cmake_flags(cpu_flags: str | None = None) -> list[str]:
 
 
 def llama_build_dir(flags: list[str] | None = None) -> Path:
-    """Where :func:`build_llama_server` puts its build: ``$PD_CACHE_DIR/llama.cpp/build-<key>``
-    (default ``~/.cache/pdserve``), the key hashing the CMake flags (a cache folder copied to
-    another CPU is not reused there)."""
+    """Where :func:`build_llama_server` puts its build: ``<PD_CACHE_DIR>/llama.cpp/build-<key>``
+    (the cache folder of converted models), the key hashing the CMake flags (a cache folder
+    copied to another CPU is not reused there)."""
     import hashlib
 
+    from shared.config import Settings
+
     key = hashlib.sha256(" ".join(flags or llama_cmake_flags()).encode()).hexdigest()[:10]
-    return Path(os.environ.get("PD_CACHE_DIR", "~/.cache/pdserve")).expanduser() / "llama.cpp" / f"build-{key}"
+    return Path(Settings.from_env().cache_dir).expanduser() / "llama.cpp" / f"build-{key}"
 
 
 def build_llama_server(version: str = "0.3.36") -> str:

@@ -126,7 +126,7 @@ def test_float32_linear_rows_do_not_depend_on_neighbours_and_match_torch():
     from engine.quant import _kernel
 
     ext = _kernel()
-    if ext is None or not hasattr(ext, "float_linear"):
+    if ext is None:
         pytest.skip("no C++ kernel build on this machine")
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(99, 80, generator=gen)
