@@ -27,4 +27,4 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     kv_pinned_buffer_bytes: int = 256 << 20
     batch_invariant: bool = True  # PD_BATCH_INVARIANT: engine.batch_invariant
-    bf16_dot: bool = False  # PD_BLOCK_DOT=bf16: engine.fused_decode.FusedDecode's bf16
+    block_dot: str = "float32"  # PD_BLOCK_DOT: engine.quant.resolve_block_dot (auto, float32, int8, bf16)

@@ -62,7 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend, config.batch_invariant,
-                                  config.bf16_dot)
+                                  config.block_dot)
         if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention.__name__ == "kernels.triton":
             self._enable_cuda_graphs()
         self.eos_token_ids = frozenset(eos_token_ids)

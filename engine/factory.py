@@ -33,7 +33,7 @@ def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> Engin
         cuda_graph_batch_sizes=tuple(parse_batch_sizes(settings.cuda_graph_batch_sizes)),
         kv_pinned_buffer_bytes=settings.kv_pinned_buffer_bytes,
         batch_invariant=settings.batch_invariant,
-        bf16_dot=settings.block_dot == "bf16",
+        block_dot=settings.block_dot,
     )
 
 

@@ -22,6 +22,9 @@ same kernel; the RMSNorm, RoPE and SiLU differ in float32 rounding only. A bfloa
 CPU with AVX512-BF16 multiplies with bf16 dot products instead (:class:`FusedDecode`'s ``bf16``):
 matmul inputs and weights rounded to bf16, float32 sums (the unfused bf16 model rounds every
 activation to bf16 anyway; the error is about the same, ``tests/unit/test_fused_decode.py``).
+With ``PD_BLOCK_DOT=int8`` (``auto`` on AVX2-only CPUs) each matmul's input rows are quantized
+per 32 to int8 and multiplied with integer dot products (:class:`FusedDecode`'s ``int8``;
+llama.cpp's scheme), the same arithmetic as the model's BlockLinear layers then use.
 
 Eligible: ``model_type`` llama (or mistral without a sliding window), SiLU MLP, no
 projection biases, every projection a :class:`~engine.quant.BlockLinear` with Q/K/V of one
@@ -42,9 +45,10 @@ log = get_logger(__name__)
 MAX_ROWS = 64
 
 
-def _stack(ext, layers: list[BlockLinear], bf16: bool = False):
+def _stack(ext, layers: list[BlockLinear], bf16: bool = False, int8: bool = False):
     """One ``Blocks`` over ``layers`` stacked along the output rows; each layer's buffers become
-    views of the stacked tensors (so the weights are held once). ``bf16``: bf16 dot products."""
+    views of the stacked tensors (so the weights are held once). ``bf16``: bf16 dot products;
+    ``int8``: int8 activations, integer dot products."""
     codes = torch.cat([m.codes for m in layers])
     scale = torch.cat([m.scale for m in layers])
     minimum = torch.cat([m.minimum for m in layers]) if layers[0].bits == 4 else torch.empty(0)
@@ -55,7 +59,7 @@ def _stack(ext, layers: list[BlockLinear], bf16: bool = False):
         if m.bits == 4:
             m.minimum = minimum[start:end]
         start = end
-    return ext.Blocks(codes, scale, minimum, layers[0].bits, bf16)
+    return ext.Blocks(codes, scale, minimum, layers[0].bits, bf16, int8)
 
 
 def _eligible(model: torch.nn.Module) -> str | None:
@@ -89,24 +93,28 @@ class FusedDecode:
             bfloat16 (its embedding's dtype, ``PD_DTYPE``) and the build has them
             (``ext.has_bf16``: AVX512-BF16). Fixed per model, never per step or row count,
             so a token's bits do not depend on its batch.
+        int8: quantize each matmul's input rows per 32 to int8 and take integer dot products
+            (``PD_BLOCK_DOT=int8``, quant_block.h ``block_rows_q8``); excludes ``bf16``.
     """
 
-    def __init__(self, model: torch.nn.Module, ext, bf16: bool | None = None):
+    def __init__(self, model: torch.nn.Module, ext, bf16: bool | None = None, int8: bool = False):
         config = model.config
         self.model = model
         self.ext = ext
         if bf16 is None:
             bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16
         #: True when the matmuls use bf16 dot products (asked for and available)
-        self.bf16 = bool(bf16) and bool(getattr(ext, "has_bf16", False))
+        self.bf16 = bool(bf16) and bool(getattr(ext, "has_bf16", False)) and not int8
+        #: True when the matmuls quantize their inputs to int8 (integer dot products)
+        self.int8 = bool(int8)
         self.layers = []
         self.scales = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj], self.bf16)
-            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj], self.bf16)
-            o = _stack(ext, [attn.o_proj], self.bf16)
-            down = _stack(ext, [mlp.down_proj], self.bf16)
+            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj], self.bf16, self.int8)
+            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj], self.bf16, self.int8)
+            o = _stack(ext, [attn.o_proj], self.bf16, self.int8)
+            down = _stack(ext, [mlp.down_proj], self.bf16, self.int8)
             self.layers.append(ext.DecodeLayer(
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 layer.input_layernorm.variance_epsilon, qkv, o, gate_up, down,
@@ -197,11 +205,13 @@ def token_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device,
-          bf16_dot: bool = False) -> FusedDecode | None:
+          block_dot: str = "float32") -> FusedDecode | None:
     """The fused decode step for ``model``, or ``None`` when it is not eligible (the reason is
     logged) or the extension cannot be built (the step then runs unfused, correct but slower).
-    ``bf16_dot`` (``PD_BLOCK_DOT=bf16``): bf16 dot products when the model computes in bfloat16
-    and the CPU has them (else float32, logged); off by default until timed on such a CPU."""
+    ``block_dot`` (``PD_BLOCK_DOT``, resolved: :func:`engine.quant.resolve_block_dot`):
+    ``float32``; ``int8`` (int8 activations, integer dot products); ``bf16`` (bf16 dot products
+    when the model computes in bfloat16 and the CPU has them, else float32, logged)."""
+    bf16_dot = block_dot == "bf16"
     if device.type != "cpu" or kv_dtype not in (torch.float32, torch.bfloat16):
         return None
     if not any(isinstance(m, BlockLinear) for m in model.modules()):
@@ -217,11 +227,12 @@ def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device,
     except Exception as exc:  # a failed build must not stop serving
         log.warning("fused_decode_unavailable", error=str(exc))
         return None
-    fused = FusedDecode(model, ext, bf16=None if bf16_dot else False)  # None: where the model and CPU allow
+    # bf16 None: where the model and CPU allow
+    fused = FusedDecode(model, ext, bf16=None if bf16_dot else False, int8=block_dot == "int8")
     if bf16_dot and not fused.bf16:
         log.warning("bf16_dot_unavailable", model_dtype=str(model.model.embed_tokens.weight.dtype),
                     cpu_has_it=getattr(ext, "has_bf16", False))
-    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa, bf16_dot=fused.bf16)
+    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa, bf16_dot=fused.bf16, int8_dot=fused.int8)
     return fused
 
 

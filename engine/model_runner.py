@@ -19,6 +19,7 @@ import torch
 import kernels
 from engine import fused_decode
 from engine.kv_cache import PagedKVCache
+from engine.quant import resolve_block_dot, set_block_dot
 from engine.prompt_logprobs import PromptLogprobRows
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSeq
@@ -155,12 +156,12 @@ class ModelRunner:
         kv_cache: the paged KV pool.
         attention_backend: see :func:`kernels.select`.
         batch_invariant: see :mod:`engine.batch_invariant` (``PD_BATCH_INVARIANT``).
-        bf16_dot: the fused step's bf16 dot products (``PD_BLOCK_DOT=bf16``), see
-            :func:`engine.fused_decode.build`.
+        block_dot: the block kernels' arithmetic (``PD_BLOCK_DOT``: auto, float32, int8, bf16),
+            see :func:`engine.quant.resolve_block_dot` and :func:`engine.fused_decode.build`.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto",
-                 batch_invariant: bool = False, bf16_dot: bool = False):
+                 batch_invariant: bool = False, block_dot: str = "float32"):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -170,7 +171,11 @@ class ModelRunner:
         # None: steps run unfused. With it, decode-only steps run fused; in the batch-invariant mode
         # every step does (prefill too), so a token's KV and logits come from one per-row path
         # whether it was decoded, prefilled or re-prefilled (a resumed stream, a recompute)
-        self.fused = fused_decode.build(model, kv_cache.dtype, self.device, bf16_dot)
+        #: the block kernels' arithmetic, resolved (engine.quant.BLOCK_DOTS); the same for the fused
+        #: step and every BlockLinear (the LM head, unfused steps), so all paths agree
+        self.block_dot = resolve_block_dot(block_dot) if self.device.type == "cpu" else "float32"
+        set_block_dot(model, self.block_dot)
+        self.fused = fused_decode.build(model, kv_cache.dtype, self.device, self.block_dot)
         self.fused_all = batch_invariant and self.fused is not None
         float_logits_from_quantized_head(model)
         if getattr(self.attention, "accelerate_model", None) is not None:

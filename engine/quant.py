@@ -51,6 +51,41 @@ def _kernel():
         return None
 
 
+#: ``PD_BLOCK_DOT``'s arithmetics of the block kernels (see :func:`resolve_block_dot`).
+BLOCK_DOTS = ("float32", "int8", "bf16")
+
+
+def resolve_block_dot(setting: str, cpu_flags: str | None = None) -> str:
+    """The block kernels' arithmetic for ``PD_BLOCK_DOT=setting``: one of :data:`BLOCK_DOTS`,
+    or ``auto``, which is ``int8`` on a CPU without AVX-512 (AVX2: the integer dot products run
+    1.4-2.2x the float32 loops' GFLOP/s and the batch-1 decode step faster, docs/decisions.md)
+    and ``float32`` with AVX-512 (16-lane float32 loops measured as fast as int8 there at
+    SmolLM2's sizes, and exact). ``cpu_flags``: ``/proc/cpuinfo``'s flags (default: this CPU's).
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    if setting in BLOCK_DOTS:
+        return setting
+    if setting != "auto":
+        raise ValueError(f"PD_BLOCK_DOT must be auto or one of {', '.join(BLOCK_DOTS)}, not {setting!r}")
+    if cpu_flags is None:
+        from kernels.cpu import _cpu_flags
+
+        cpu_flags = _cpu_flags()
+    flags = set(cpu_flags.split())
+    return "float32" if {"avx512f", "avx512bw"} <= flags else "int8"
+
+
+def set_block_dot(model: torch.nn.Module, dot: str) -> int:
+    """Make every :class:`BlockLinear` of ``model`` multiply with int8 activations when
+    ``dot == "int8"`` (else float32); returns how many layers there are."""
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    for m in layers:
+        m.int8 = dot == "int8"
+    return len(layers)
+
+
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """uint8 ``[N, K]`` codes in 0..15 → ``[N, K / 2]`` bytes in GGUF's in-group order."""
     n, k = codes.shape
@@ -67,7 +102,14 @@ class BlockLinear(torch.nn.Module):
         scale: float32 ``[out, in / 32]`` (``d``); minimum: float32 ``[out, in / 32]`` (``m``,
             4-bit only).
         bias: optional float ``[out]``.
+
+    ``int8`` (attribute, default False; :func:`set_block_dot`): the kernel quantizes each row
+    of ``x`` per 32 inputs to int8 and takes integer dot products (llama.cpp's q4_1 x q8_1
+    scheme, ``PD_BLOCK_DOT=int8``); the de-quantized float path (rows above
+    :data:`KERNEL_MAX_ROWS`) is unaffected.
     """
+
+    int8: bool = False
 
     def __init__(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                  bias: torch.Tensor | None = None):
@@ -109,7 +151,7 @@ class BlockLinear(torch.nn.Module):
         the built extension ``ext``: float32 ``[m, out]``, bias added. Each row's result is the
         same whatever the other rows."""
         kernel = ext.q4_linear if self.bits == 4 else ext.q8_linear
-        out = kernel(flat, self.codes, self.scale, self.minimum)
+        out = kernel(flat, self.codes, self.scale, self.minimum, int8=self.int8)
         return out + self.bias if self.bias is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,10 @@
 machine): float weights (``PD_WEIGHTS=float``, the dtype's matrices), GGUF blocks op by op
 (``PD_WEIGHTS=auto`` with the fused step switched off) and GGUF blocks with the fused decode
 step (``engine/fused_decode.py``), against the bandwidth roofline of the bytes each reads.
-``fused-bf16dot``: the fused step with bf16 dot products (``PD_BLOCK_DOT=bf16``: a bfloat16
-model on an AVX512-BF16 CPU; elsewhere it runs the float32 loops and says so in its log).
+``fused-int8``: the fused step with int8 activations (``PD_BLOCK_DOT=int8``, integer dot
+products; ``fused`` runs the float32 loops). ``fused-bf16dot``: the fused step with bf16 dot
+products (``PD_BLOCK_DOT=bf16``: a bfloat16 model on an AVX512-BF16 CPU; elsewhere it runs the
+float32 loops and says so in its log).
 
 ``python -m loadtest.bench_decode_paths [--batches 1,8,64] [--context 512] [--steps 12]``
 """
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--paths", default="float,blocks,fused", help="which of float, blocks, fused, fused-bf16dot to run")
+    p.add_argument("--paths", default="float,blocks,fused", help="which of float, blocks, fused, fused-int8, fused-bf16dot to run")
     args = p.parse_args(argv)
     from engine import fused_decode
     from engine.factory import build_engine
@@ -44,10 +46,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__config__.parallel_info().splitlines()[0]}")
     build = fused_decode.build
     results = {}
-    paths = {"float": ("float", "float", False), "blocks": ("blocks, op by op", "auto", False),
-             "fused": ("blocks, fused step", "auto", True), "fused-bf16dot": ("fused, bf16 dot", "auto", True)}
-    for label, weights, fused in (paths[name] for name in args.paths.split(",")):
-        settings = base.replace(weights=weights, block_dot="bf16" if label == "fused, bf16 dot" else "float32")
+    paths = {"float": ("float", "float", False, "float32"), "blocks": ("blocks, op by op", "auto", False, "float32"),
+             "fused": ("blocks, fused step", "auto", True, "float32"),
+             "fused-int8": ("fused, int8 dot", "auto", True, "int8"),
+             "fused-bf16dot": ("fused, bf16 dot", "auto", True, "bf16")}
+    for label, weights, fused, dot in (paths[name] for name in args.paths.split(",")):
+        settings = base.replace(weights=weights, block_dot=dot)
         fused_decode.build = build if fused else (lambda *a, **k: None)
         try:
             probe = build_engine(settings.replace(kv_cache_memory_bytes=64 << 20))

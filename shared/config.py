@@ -134,10 +134,12 @@ class Settings:
     )
 
     block_dot: str = _doc(
-        "CPU, GGUF weights in a bfloat16 model: float32 (the block kernels widen the weights to "
-        "float32, exact sums) or bf16 (AVX512-BF16 dot products, weights and matmul inputs rounded to "
-        "bf16; tested in emulation, not yet timed on a CPU that has them, docs/decisions.md).",
-        default="float32",
+        "CPU, GGUF (or int8) weights: the block kernels' arithmetic. float32: weights widened to "
+        "float32, exact sums. int8: each matmul input row quantized per 32 values to int8, integer dot "
+        "products (llama.cpp's scheme; the quality gate measures it). bf16: in a bfloat16 model on an "
+        "AVX512-BF16 CPU, weights and inputs rounded to bf16 (not yet timed on such a CPU). auto: int8 "
+        "on CPUs without AVX-512 (faster there), float32 with it (docs/decisions.md).",
+        default="auto",
     )
 
     # --- routing ------------------------------------------------------------------------

@@ -9,8 +9,9 @@
 // Paged attention between the two is the existing kernel (kernels/cpu/paged_attention.cpp),
 // called from Python. All math is float32, except the matmuls of a layer built with bf16 Blocks
 // (a bfloat16 model on an AVX512-BF16 CPU): their inputs and weights are rounded to bf16 and
-// multiplied with bf16 dot products accumulating in float32 (quant_block.h); RMSNorm, RoPE,
-// SiLU and the residuals stay float32.
+// multiplied with bf16 dot products accumulating in float32, or with int8 Blocks
+// (PD_BLOCK_DOT=int8): their inputs are quantized per 32 to int8 and multiplied with integer dot
+// products (quant_block.h); RMSNorm, RoPE, SiLU and the residuals stay float32.
 //
 // Row independence: every row (token) of a step is computed on its own: RMSNorm, RoPE, SiLU
 // and the KV write per row, and the matmuls through pdq::block_rows (or block_rows_bf16, fixed
@@ -39,13 +40,14 @@ namespace {
 // chosen once per object (the model's compute dtype), never per call or per row count.
 struct Blocks {
   torch::Tensor codes, d, m;
-  bool q4, bf16;
+  bool q4, bf16, int8;
   int64_t N, K;
 
-  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits, bool bf16_ = false)
+  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits, bool bf16_ = false, bool int8_ = false)
       : codes(codes_.contiguous()), d(d_.contiguous()), m(m_.contiguous()), q4(bits == 4),
-        bf16(bf16_ && pdq::kHasBf16), N(codes_.size(0)), K(d_.size(1) * pdq::G) {
+        bf16(bf16_ && pdq::kHasBf16), int8(int8_), N(codes_.size(0)), K(d_.size(1) * pdq::G) {
     TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+    TORCH_CHECK(!(bf16_ && int8_), "bf16 and int8 are two different arithmetics: choose one");
     TORCH_CHECK(codes.size(1) == (q4 ? K / 2 : K), "codes must be [N, K/2] (4-bit) or [N, K] (8-bit)");
     TORCH_CHECK(d.scalar_type() == torch::kFloat && d.size(0) == N, "d must be float32 [N, K/32]");
     TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.sizes() == d.sizes()), "m must be float32 [N, K/32]");
@@ -56,6 +58,16 @@ struct Blocks {
     const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
     const float* dp = d.data_ptr<float>();
     const float* mp = q4 ? m.data_ptr<float>() : dp;
+    if (int8) {
+      thread_local pdq::RowsQ8 quantized;  // x quantized per 32 inputs, once per call
+      pdq::quantize_rows_q8(x, M, K, quantized);
+      const pdq::RowsQ8& xr = quantized;  // (the workers must read this thread's buffers, not their own)
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        if (q4) pdq::block_rows_q8<true>(xr, M, K, cp, dp, mp, n0, n1, y, ldy);
+        else pdq::block_rows_q8<false>(xr, M, K, cp, dp, mp, n0, n1, y, ldy);
+      });
+      return;
+    }
 #ifdef PDQ_BF16
     if (bf16) {
       thread_local std::vector<uint16_t> xb;  // x rounded to bf16 once per call
@@ -203,9 +215,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   py::class_<Blocks>(mod, "Blocks")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool>(), py::arg("codes"), py::arg("d"),
-           py::arg("m"), py::arg("bits"), py::arg("bf16") = false)
-      .def_readonly("bf16", &Blocks::bf16, "True when this object multiplies with bf16 dot products");
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool>(), py::arg("codes"), py::arg("d"),
+           py::arg("m"), py::arg("bits"), py::arg("bf16") = false, py::arg("int8") = false)
+      .def_readonly("bf16", &Blocks::bf16, "True when this object multiplies with bf16 dot products")
+      .def_readonly("int8", &Blocks::int8, "True when this object quantizes its inputs to int8 (integer dot products)");
   py::class_<DecodeLayer>(mod, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, Blocks, Blocks, Blocks, Blocks, int64_t, int64_t, int64_t>())
       .def("attn_in", &DecodeLayer::attn_in, py::call_guard<py::gil_scoped_release>(), "norm, QKV, RoPE, KV write; returns q [M, H, D]")

@@ -432,60 +432,182 @@ inline constexpr bool kHasBf16 =
     false;
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define PDQ_VNNI 1
-// 4-bit blocks against int8 activations, llama.cpp's q4_1 x q8_1 scheme (ggml-cpu's
-// ggml_vec_dot_q4_1_q8_1): each row of x is quantized per 32 inputs to int8 (dx = max|x| / 127,
-// round to nearest), so a group's dot product is one VNNI instruction on the unsigned codes:
-//   sum_j (q_j d + m) x_j  ~  d dx sum_j q_j xq_j  +  m (dx sum_j xq_j).
-// Not exact: the activation rounding changes results (the quality gate measures it).
-// xq [M, K] int8, xs [M, K/32] = dx, xsum [M, K/32] = dx * sum xq; out[r * ldo].
-// sum_g m[g] xsum[g], the same instruction sequence for every row (not inlined into the
-// R-row loop, where the compiler could vectorize across rows and round differently).
-__attribute__((noinline)) inline float min_term(const float* m, const float* xsum, int64_t ng) {
+// ---- int8 activations (PD_BLOCK_DOT=int8) ----------------------------------------------------
+// llama.cpp's scheme for 4- and 8-bit blocks (ggml-cpu's ggml_vec_dot_q4_1_q8_1 and
+// ggml_vec_dot_q8_0_q8_0): each row of x is quantized once per call, per 32 inputs, to int8
+// (quantize_rows_q8: dx = max|x| / 127, xq = x * (127 / max|x|) rounded to nearest even), so a
+// group's 32 products are integers summed exactly, and
+//   sum_j (q_j d + m) x_j  ~  d dx sum_j q_j xq_j  +  m dx sum_j xq_j.
+// Where it rounds: (1) x to int8 (relative error up to 1/254 of the group's largest |x|, the
+// only approximation); (2) the float32 product d dx per group; (3) one float32 FMA per group and
+// lane into the accumulator; (4) the minimum's term, sum_g m[g] (dx sum xq)[g], in float32
+// (min_term). The integer dot products take 2 instructions per 32 weights (AVX2 vpmaddubsw +
+// vpmaddwd) or 1 (AVX-VNNI / AVX512-VNNI vpdpbusd; the same integers, no lane saturates:
+// |q| <= 15 (4-bit, unsigned) or <= 128 (8-bit, taken as |q| against x * sign(q)), |xq| <= 127),
+// where the float32 path widens, converts and multiplies 32 weights in 12 (AVX2).
+// Row independence holds as for the float32 path: every (row of x, weight row) pair is one
+// accumulator chain over the groups in order, then hsum + min_term, whatever the call's shape.
+struct RowsQ8 {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d;    // [M, K / 32]: dx
+  std::vector<float> s;    // [M, K / 32]: dx * sum(xq)
+};
+
+// Rows of x [M, K] (K % 32 == 0) quantized per 32 inputs into out (resized).
+inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, RowsQ8& out) {
+  const int64_t ng = K / G;
+  out.q.resize(static_cast<size_t>(M * K));
+  out.d.resize(static_cast<size_t>(M * ng));
+  out.s.resize(static_cast<size_t>(M * ng));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
+  for (int64_t i = 0; i < M * ng; ++i) {
+    const float* xg = x + i * G;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xg + 8 * c);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[c], abs_mask));
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    const float mx = _mm_cvtss_f32(a);
+    const __m256 id = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    __m256i q[4];
+    for (int c = 0; c < 4; ++c)
+      q[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[c], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * G), _mm256_permutevar8x32_epi32(packed, order));
+    out.d[i] = mx / 127.f;
+    out.s[i] = out.d[i] * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// sum_g m[g] xs[g]: the minimum's term of one (row of x, weight row) pair, the same instruction
+// sequence for every pair (not inlined into the tiles, where the compiler could vectorize across
+// rows and round differently).
+__attribute__((noinline)) inline float min_term(const float* m, const float* xs, int64_t ng) {
   __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= ng; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xsum + g), acc);
+  for (; g + 8 <= ng; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(xs + g), acc);
   float s = hsum(acc);
-  for (; g < ng; ++g) s = std::fma(m[g], xsum[g], s);
+  for (; g < ng; ++g) s = std::fma(m[g], xs[g], s);
   return s;
 }
 
-template <int R>
-inline void dot_rows_vnni(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* codes,
-                          const float* d, const float* m, int64_t K, int64_t ldo, float* out) {
-  const int64_t ng = K / G;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < ng; ++g) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16));
-    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * G));
-      const __m256i isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[g] * xs[r * ng + g]), acc[r]);
-    }
+// The 32 codes of one group as 32 bytes in element order: 4-bit unsigned 0..15, 8-bit signed.
+template <bool Q4>
+inline __m256i group_codes(const uint8_t* c) {
+  if constexpr (Q4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + min_term(m, xsum + r * ng, ng);
 }
 
-// Per-32 int8 quantization of one row of x [K]: xq, dx and dx * sum(xq) per group.
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* xs, float* xsum) {
-  for (int64_t g = 0; g < K / G; ++g) {
-    float amax = 0.f;
-    for (int j = 0; j < G; ++j) amax = std::max(amax, std::fabs(x[g * G + j]));
-    const float dx = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int j = 0; j < G; ++j) {
-      const int q = static_cast<int>(std::nearbyint(x[g * G + j] * id));
-      xq[g * G + j] = static_cast<int8_t>(q);
-      sum += q;
+// 8 int32 lanes, lane i = sum of the products of elements 4i..4i+3 (exact).
+template <bool Q4>
+inline __m256i group_dot(__m256i w, __m256i xq) {
+  __m256i u = w, s = xq;
+  if constexpr (!Q4) {  // unsigned x signed: |q| against xq * sign(q)
+    u = _mm256_sign_epi8(w, w);
+    s = _mm256_sign_epi8(xq, w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// NB weight rows against R quantized rows of x. Decoded: the weight rows' codes are already
+// bytes in element order (w, row stride K), else they are read from the blocks (codes).
+template <bool Q4, bool Decoded, int R, int NB>
+inline __attribute__((always_inline)) void tile_q8(const RowsQ8& xr, int64_t r0, int64_t K, const uint8_t* codes,
+                                                   const int8_t* w, const float* d, const float* m,
+                                                   int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  __m256 acc[R][NB];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int8_t* xq = xr.q.data() + r0 * K;
+  const float* xd = xr.d.data() + r0 * ng;
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j)
+      wv[j] = Decoded ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + g * G))
+                      : group_codes<Q4>(codes + j * row_bytes + g * (Q4 ? G / 2 : G));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * G));
+      const float dx = xd[r * ng + g];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j)
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot<Q4>(wv[j], xv)), _mm256_set1_ps(d[j * ng + g] * dx),
+                                    acc[r][j]);
     }
-    xs[g] = dx;
-    xsum[g] = dx * static_cast<float>(sum);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j)
+      y[r * ldy + j] = hsum(acc[r][j]) + (Q4 ? min_term(m + j * ng, xr.s.data() + (r0 + r) * ng, ng) : 0.f);
+}
+
+template <bool Q4, bool Decoded, int NB>
+inline void rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t* codes, const int8_t* w, const float* d,
+                    const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 2 <= M; r += 2) tile_q8<Q4, Decoded, 2, NB>(xr, r, K, codes, w, d, m, row_bytes, ng, y + r * ldy, ldy);
+  if (r < M) tile_q8<Q4, Decoded, 1, NB>(xr, r, K, codes, w, d, m, row_bytes, ng, y + r * ldy, ldy);
+}
+
+// block_rows with int8 activations: weight rows [n0, n1) against the M rows of x quantized by
+// quantize_rows_q8 (xr): y[r * ldy + n]. Weight rows go in fours, rows of x in twos (2 x 4
+// accumulators). Up to two rows of x the codes are unpacked in registers; above, four weight
+// rows are unpacked once into an L1 buffer of bytes and every tile reads it.
+template <bool Q4>
+inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                          const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (M <= 0) return;
+  const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
+  thread_local std::vector<int8_t> unpacked;
+  if (M > 2) unpacked.resize(static_cast<size_t>(4 * K));
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
+    const uint8_t* c = codes + n * row_bytes;
+    const float* dn = d + n * ng;
+    const float* mn = Q4 ? m + n * ng : d;
+    if (M <= 2) {
+      switch (nb) {
+        case 4: rows_q8<Q4, false, 4>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
+        case 3: rows_q8<Q4, false, 3>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
+        case 2: rows_q8<Q4, false, 2>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
+        default: rows_q8<Q4, false, 1>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
+      }
+      continue;
+    }
+    for (int j = 0; j < nb; ++j)
+      for (int64_t g = 0; g < ng; ++g)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(unpacked.data() + j * K + g * G),
+                            group_codes<Q4>(c + j * row_bytes + g * (Q4 ? G / 2 : G)));
+    const int8_t* w = unpacked.data();
+    switch (nb) {
+      case 4: rows_q8<Q4, true, 4>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
+      case 3: rows_q8<Q4, true, 3>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
+      case 2: rows_q8<Q4, true, 2>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
+      default: rows_q8<Q4, true, 1>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
+    }
   }
 }
-#endif
 
 }  // namespace pdq

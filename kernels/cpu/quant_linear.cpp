@@ -10,7 +10,9 @@
 // GEMV (measured, docs/decisions.md). The inner loops (AVX-512 or AVX2, chosen at build) are in
 // quant_block.h, shared with the fused decode step; each row of x is computed independently.
 // bf16=True (builds with AVX512-BF16, has_bf16): x and the weights rounded to bf16 and bf16 dot
-// products (`vdpbf16ps`), the path of a bfloat16 model's fused decode step.
+// products (`vdpbf16ps`), the path of a bfloat16 model's fused decode step. int8=True: x
+// quantized per 32 inputs to int8 and integer dot products (llama.cpp's q4_1 x q8_1 scheme,
+// PD_BLOCK_DOT=int8; quant_block.h, block_rows_q8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -24,7 +26,8 @@ using pdq::G;
 using pdq::load_group;
 
 template <bool Q4>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, bool bf16) {
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, bool bf16,
+                           bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % G == 0, "K must be a multiple of 32");
@@ -40,7 +43,15 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  TORCH_CHECK(!(bf16 && int8), "bf16 and int8 are two different arithmetics: choose one");
   TORCH_CHECK(!bf16 || pdq::kHasBf16, "bf16 dot products need a build with AVX512-BF16 (has_bf16)");
+  if (int8) {
+    thread_local pdq::RowsQ8 quantized;  // x quantized per 32 inputs, once per call
+    pdq::quantize_rows_q8(xp, M, K, quantized);
+    const pdq::RowsQ8& xr = quantized;  // (the workers must read this thread's buffers, not their own)
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { pdq::block_rows_q8<Q4>(xr, M, K, cp, dp, mp, n0, n1, op, N); });
+    return out;
+  }
 #ifdef PDQ_BF16
   if (bf16) {
     std::vector<uint16_t> xb(static_cast<size_t>(M * K));  // x rounded to bf16 once per call
@@ -111,57 +122,19 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor w) {
   return out;
 }
 
-#ifdef PDQ_VNNI
-// x W^T with x quantized per 32 inputs to int8 and VNNI dot products (4-bit blocks only; see
-// pdq::dot_rows_vnni). Measured against q4_linear in docs/decisions.md; not used by default.
-torch::Tensor q4_linear_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), ng = K / G;
-  TORCH_CHECK(K % G == 0 && codes.size(1) == K / 2 && d.size(1) == ng && m.sizes() == d.sizes(), "bad shapes");
-  auto xc = x.contiguous();
-  auto cc = codes.contiguous();
-  auto dc = d.contiguous();
-  auto mc = m.contiguous();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xs(M * ng), xsum(M * ng);
-  for (int64_t r = 0; r < M; ++r)
-    pdq::quantize_row_q8(xc.data_ptr<float>() + r * K, K, xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng);
-  auto out = torch::empty({M, N}, x.options());
-  const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
-  const float* dp = dc.data_ptr<float>();
-  const float* mp = mc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4)
-        pdq::dot_rows_vnni<4>(xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng, cp + n * K / 2,
-                              dp + n * ng, mp + n * ng, K, N, op + r * N + n);
-      for (; r < M; ++r)
-        pdq::dot_rows_vnni<1>(xq.data() + r * K, xs.data() + r * ng, xsum.data() + r * ng, cp + n * K / 2,
-                              dp + n * ng, mp + n * ng, K, N, op + r * N + n);
-    }
-  });
-  return out;
-}
-#endif
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &block_linear<true>, py::call_guard<py::gil_scoped_release>(),
-          "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products",
-          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false);
+          "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products; int8: x quantized per 32 inputs to int8, integer dot products",
+          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false, py::arg("int8") = false);
   mod.def("q8_linear", &block_linear<false>, py::call_guard<py::gil_scoped_release>(),
-          "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products",
-          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false);
+          "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products; int8: x quantized per 32 inputs to int8, integer dot products",
+          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false, py::arg("int8") = false);
   mod.def("q4_dequantize", &block_dequantize<true>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from 4-bit GGUF blocks");
   mod.def("q8_dequantize", &block_dequantize<false>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from Q8_0 blocks");
   mod.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(),
           "x W^T, float32 weights, each row's bits independent of the row count");
   mod.attr("isa") = pdq::kIsa;
   mod.attr("has_bf16") = pdq::kHasBf16;  // bf16=True accepted (AVX512-BF16, or the emulated test build)
-#ifdef PDQ_VNNI
-  mod.def("q4_linear_vnni", &q4_linear_vnni, py::call_guard<py::gil_scoped_release>(), "x W^T, 4-bit blocks, x quantized per 32 to int8 (VNNI)");
-#endif
 }

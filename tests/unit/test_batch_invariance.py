@@ -26,10 +26,16 @@ SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
-@pytest.fixture(scope="module", params=["float", "Q4_1"])
+#: The block kernels' arithmetic (PD_BLOCK_DOT) of the engines make_engine builds, set by the
+#: bf16_model fixture for its current case (module-scoped: pytest runs each case's tests together).
+BLOCK_DOT = {"dot": "float32"}
+
+
+@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8"])
 def bf16_model(request, tiny_model_dir):
     """The tiny model in bfloat16 with float weights (the mode's unfused path) and with GGUF-style
-    Q4_1 blocks (the default model's storage: every step through the fused per-row path)."""
+    Q4_1 blocks (the default model's storage: every step through the fused per-row path), with
+    the float32 block loops and with int8 activations (PD_BLOCK_DOT=int8, auto on AVX2 CPUs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
@@ -39,18 +45,20 @@ def bf16_model(request, tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
     if request.param != "float":
-        assert quantize_float(model, request.param)["int4"] > 0
+        assert quantize_float(model, request.param.split()[0])["int4"] > 0
+    BLOCK_DOT["dot"] = "int8" if request.param.endswith("int8") else "float32"
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def make_engine(model, invariant=True, **overrides) -> LLMEngine:
     cfg = dict(model_id="tiny", block_size=4, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=512,
-               attention_backend="auto", batch_invariant=invariant)
+               attention_backend="auto", batch_invariant=invariant, block_dot=BLOCK_DOT["dot"])
     cfg.update(overrides)
     engine = LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=())
     quantized = any(isinstance(m, BlockLinear) for m in model.modules())
     if invariant and quantized and fused_decode.kernel_available():
         assert engine.runner.fused_all  # the case under test is the fused per-row path
+        assert engine.runner.fused.int8 == (BLOCK_DOT["dot"] == "int8")
     return engine
 
 

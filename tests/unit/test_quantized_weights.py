@@ -45,29 +45,31 @@ def _kernel_ext(path: str):
     return ext
 
 
-def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool) -> torch.Tensor:
+def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool, int8: bool = False) -> torch.Tensor:
     kernel = ext.q4_linear if layer.bits == 4 else ext.q8_linear
-    return kernel(x, layer.codes, layer.scale, layer.minimum, bf16=bf16)
+    return kernel(x, layer.codes, layer.scale, layer.minimum, bf16=bf16, int8=int8)
 
 
 @pytest.mark.timeout(900)  # the emulated build compiles an extension of its own
-@pytest.mark.parametrize("path", ["float32", "bf16", "bf16-emulated"])
+@pytest.mark.parametrize("path", ["float32", "int8", "bf16", "bf16-emulated"])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path):
     """The kernel widens groups in registers up to four rows of x and into an L1 buffer above;
     a row's bits must not depend on which path, on its position or on the weight rows' tiling
     (30 output rows: tiles of four and a tail of two). Zero rows give an empty result. The
-    same for the bf16 dot-product loops (on an AVX512-BF16 CPU, and emulated on any)."""
+    same for the int8-activation loops (codes unpacked in registers up to two rows, into a
+    buffer above; rows in pairs) and the bf16 dot-product loops (on an AVX512-BF16 CPU, and
+    emulated on any)."""
     ext = _kernel_ext(path)
-    bf16 = path != "float32"
+    bf16, int8 = path.startswith("bf16"), path == "int8"
     layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30)))
     x = torch.randn(KERNEL_MAX_ROWS, 96, generator=torch.Generator().manual_seed(2))
-    full = _kernel_rows(layer, x, ext, bf16)
+    full = _kernel_rows(layer, x, ext, bf16, int8)
     for rows in range(1, 10):
         for start in (0, 5, KERNEL_MAX_ROWS - rows):
-            part = _kernel_rows(layer, x[start:start + rows].contiguous(), ext, bf16)
+            part = _kernel_rows(layer, x[start:start + rows].contiguous(), ext, bf16, int8)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
-    assert _kernel_rows(layer, x[:0], ext, bf16).shape == (0, 30)
+    assert _kernel_rows(layer, x[:0], ext, bf16, int8).shape == (0, 30)
 
 
 @pytest.mark.parametrize("path", ["bf16", "bf16-emulated"])
@@ -85,6 +87,41 @@ def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
         got = _kernel_rows(layer, x[:rows], ext, True)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
         assert (got - (x[:rows] @ layer.dequantized().T)).abs().max() > 1e-3  # it did round
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int8_activations_round_x_per_32_like_llama_cpp(qtype):
+    """int8 activations (PD_BLOCK_DOT=int8): the result equals the exact product of the
+    weights as stored with x quantized per 32 inputs (d = max|x| / 127, q = round(x / d), ties
+    to even), up to float32 summation; against the unrounded x the error is that rounding's."""
+    ext = _kernel_ext("float32")
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30, cols=256)))
+    w = layer.dequantized().double()
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 2, 3, KERNEL_MAX_ROWS):
+        x = torch.randn(rows, 256, generator=gen)
+        x[0, :32] = 0  # an all-zero group (d = 0)
+        groups = x.double().view(rows, -1, 32)
+        d = groups.abs().amax(-1, keepdim=True) / 127
+        xq = (torch.round(groups / torch.where(d > 0, d, 1)) * d).view(rows, 256)
+        got = _kernel_rows(layer, x, ext, False, int8=True).double()
+        torch.testing.assert_close(got, xq @ w.T, rtol=1e-5, atol=1e-4)
+        exact = x.double() @ w.T
+        err = ((got - exact).norm() / exact.norm()).item()
+        assert 1e-4 < err < 2e-2, err  # it did round, and only x
+    with pytest.raises(RuntimeError, match="choose one"):
+        _kernel_rows(layer, x, ext, True, int8=True)
+
+
+def test_block_dot_auto_is_int8_without_avx512_and_refuses_unknown_values():
+    from engine.quant import resolve_block_dot
+
+    assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c") == "int8"
+    assert resolve_block_dot("auto", "avx2 fma avx512f avx512bw avx512_vnni") == "float32"
+    for dot in ("float32", "int8", "bf16"):
+        assert resolve_block_dot(dot, "avx2 fma") == dot
+    with pytest.raises(ValueError, match="PD_BLOCK_DOT"):
+        resolve_block_dot("int4")
 
 
 def test_bf16_kernel_refused_by_a_build_without_it():
