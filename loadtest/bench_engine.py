@@ -272,7 +272,7 @@ def quality_gate(settings: Settings, folder, tokens: int = 256):
     from engine.quality import compare, quantized_copy, repo_text
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    quantized = quantized_copy(reference, settings.weights, folder)
+    quantized = quantized_copy(reference, settings.weights, folder, settings.block_dot)
     if quantized_weight_count(quantized) == 0:
         return None
     ids = AutoTokenizer.from_pretrained(folder)(repo_text())["input_ids"][:tokens]
@@ -355,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
 
     gate = quality_gate(settings, folder)
     if gate is not None:
-        print(f"\n6. quality of PD_WEIGHTS={settings.weights} vs float32 of the same file (teacher-forced, "
+        from engine.quant import resolve_block_dot
+
+        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={resolve_block_dot(settings.block_dot)} "
+              f"vs float32 of the same file (teacher-forced, "
               f"{gate.tokens} tokens of docs/architecture.md)")
         print(f"   top-1 agreement {gate.top1_agreement * 100:.1f}%, perplexity {gate.ppl_quantized:.3f} vs "
               f"{gate.ppl_reference:.3f} (ratio {gate.ppl_ratio:.4f})")
