@@ -16,6 +16,11 @@ dominates. Why not torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_
 AVX2-only EPYC they ran 10-50x slower than a float32 GEMV (vectorized for AVX-512 only), and
 ``_weight_int8pack_mm`` takes one scale per output row, which cannot hold Q8_0's per-32
 scales. The figures are in docs/decisions.md.
+
+The kernel's arithmetic is per layer (:attr:`BlockLinear.int8`, from ``PD_BLOCK_DOT`` through
+:func:`resolve_block_dot` and :func:`set_block_dot`): float32 (weights widened exactly, float32
+sums) or int8 activations (each row of x quantized per 32 inputs, integer dot products:
+llama.cpp's q4_1 x q8_1 / q8_0 x q8_0 scheme, the default on CPUs without AVX-512).
 """
 
 from __future__ import annotations
