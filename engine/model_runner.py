@@ -19,8 +19,8 @@ import torch
 import kernels
 from engine import fused_decode
 from engine.kv_cache import PagedKVCache
-from engine.quant import resolve_block_dot, set_block_dot
 from engine.prompt_logprobs import PromptLogprobRows
+from engine.quant import resolve_block_dot, set_block_dot
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSeq
 from shared.messages import TokenLogprob
