@@ -57,5 +57,6 @@ def build_engine(settings: Settings) -> LLMEngine:
         max_model_len=engine.max_model_len,
         torch_threads=torch.get_num_threads(),
         weights=settings.weights,
+        block_dot=engine.runner.block_dot,
     )
     return engine
