@@ -62,8 +62,8 @@ def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path)
     emulated on any)."""
     ext = _kernel_ext(path)
     bf16, int8 = path.startswith("bf16"), path == "int8"
-    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30)))
-    x = torch.randn(KERNEL_MAX_ROWS, 96, generator=torch.Generator().manual_seed(2))
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30, cols=320)))  # 10 groups: 8 + a tail
+    x = torch.randn(KERNEL_MAX_ROWS, 320, generator=torch.Generator().manual_seed(2))
     full = _kernel_rows(layer, x, ext, bf16, int8)
     for rows in range(1, 10):
         for start in (0, 5, KERNEL_MAX_ROWS - rows):
