@@ -52,6 +52,9 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device
         self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # each layer's (K, V) views, made once: indexing self.kv costs ~6 µs a view, and a decode
+        # step asks for every layer's (0.35 ms per step for 30 layers, measured)
+        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
         self.staging = None
         if self.device.type == "cuda":
             from engine.kv_staging import KVStaging
@@ -77,7 +80,7 @@ class PagedKVCache:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        return self._layers[layer_idx]
 
     def export_blocks(self, block_ids: Sequence[int], num_tokens: Sequence[int] | None = None) -> list[memoryview]:
         """Copy blocks out of the pool, one byte buffer per block.
