@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace pdq {
@@ -216,6 +217,19 @@ inline void rows_widened(const float* x, int64_t M, int64_t K, const float* w, f
   }
 }
 
+// f(std::integral_constant<int, NB>{}) with NB = nb in 1..4: a tile's number of weight rows
+// as the compile-time constant the tiles are instantiated on (every block_rows* path and
+// quant_linear.cpp's float_linear walk weight rows in fours, with a shorter tail).
+template <typename F>
+inline void with_tile_width(int nb, F&& f) {
+  switch (nb) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 // Weight rows [n0, n1) against all M rows of x [M, K]: y[r * ldy + n]. Weight rows go in fours.
 // Up to four rows of x, each group is widened in registers and used at once (the weights are
 // streamed once; a batch-1 decode step is bound by these instructions). Above four, the four
@@ -234,12 +248,9 @@ inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* code
     const float* dn = d + n * ng;
     const float* mn = Q4 ? m + n * ng : d;
     if (M <= 4) {
-      switch (nb) {
-        case 4: rows_registers<Q4, 4>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-        case 3: rows_registers<Q4, 3>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-        case 2: rows_registers<Q4, 2>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-        default: rows_registers<Q4, 1>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-      }
+      with_tile_width(nb, [&](auto nbc) {
+        rows_registers<Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
+      });
       continue;
     }
     for (int j = 0; j < nb; ++j)
@@ -248,12 +259,7 @@ inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* code
         group_vectors<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g, w);
         for (int v = 0; v < V; ++v) std::memcpy(widened.data() + j * K + g * G + v * L, &w[v], sizeof(vf));
       }
-    switch (nb) {
-      case 4: rows_widened<4>(x, M, K, widened.data(), y + n, ldy); break;
-      case 3: rows_widened<3>(x, M, K, widened.data(), y + n, ldy); break;
-      case 2: rows_widened<2>(x, M, K, widened.data(), y + n, ldy); break;
-      default: rows_widened<1>(x, M, K, widened.data(), y + n, ldy); break;
-    }
+    with_tile_width(nb, [&](auto nbc) { rows_widened<decltype(nbc)::value>(x, M, K, widened.data(), y + n, ldy); });
   }
 }
 
@@ -430,23 +436,17 @@ inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint
     const float* dn = d + n * ng;
     const float* mn = Q4 ? m + n * ng : d;
     if (M <= 4) {
-      switch (nb) {
-        case 4: rows_registers_bf16<Q4, 4>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-        case 3: rows_registers_bf16<Q4, 3>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-        case 2: rows_registers_bf16<Q4, 2>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-        default: rows_registers_bf16<Q4, 1>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy); break;
-      }
+      with_tile_width(nb, [&](auto nbc) {
+        rows_registers_bf16<Q4, decltype(nbc)::value>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
+      });
       continue;
     }
     for (int j = 0; j < nb; ++j)
       for (int64_t g = 0; g < ng; ++g)
         bstore(widened.data() + j * K + g * G, group_bf16<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g));
-    switch (nb) {
-      case 4: rows_widened_bf16<4>(xb, M, K, widened.data(), y + n, ldy); break;
-      case 3: rows_widened_bf16<3>(xb, M, K, widened.data(), y + n, ldy); break;
-      case 2: rows_widened_bf16<2>(xb, M, K, widened.data(), y + n, ldy); break;
-      default: rows_widened_bf16<1>(xb, M, K, widened.data(), y + n, ldy); break;
-    }
+    with_tile_width(nb, [&](auto nbc) {
+      rows_widened_bf16<decltype(nbc)::value>(xb, M, K, widened.data(), y + n, ldy);
+    });
   }
 }
 #endif
@@ -615,12 +615,9 @@ inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t*
     const float* dn = d + n * ng;
     const float* mn = Q4 ? m + n * ng : d;
     if (M <= 2) {
-      switch (nb) {
-        case 4: rows_q8<Q4, false, 4>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
-        case 3: rows_q8<Q4, false, 3>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
-        case 2: rows_q8<Q4, false, 2>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
-        default: rows_q8<Q4, false, 1>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy); break;
-      }
+      with_tile_width(nb, [&](auto nbc) {
+        rows_q8<Q4, false, decltype(nbc)::value>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy);
+      });
       continue;
     }
     for (int j = 0; j < nb; ++j)
@@ -628,12 +625,9 @@ inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t*
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(unpacked.data() + j * K + g * G),
                             group_codes<Q4>(c + j * row_bytes + g * (Q4 ? G / 2 : G)));
     const int8_t* w = unpacked.data();
-    switch (nb) {
-      case 4: rows_q8<Q4, true, 4>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
-      case 3: rows_q8<Q4, true, 3>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
-      case 2: rows_q8<Q4, true, 2>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
-      default: rows_q8<Q4, true, 1>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy); break;
-    }
+    with_tile_width(nb, [&](auto nbc) {
+      rows_q8<Q4, true, decltype(nbc)::value>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy);
+    });
   }
 }
 

@@ -111,12 +111,9 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor w) {
   at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t n = 4 * b0; n < std::min(N, 4 * b1); n += 4) {
       const float* wn = wp + n * K;
-      switch (std::min<int64_t>(4, N - n)) {
-        case 4: pdq::rows_widened<4>(xp, M, K, wn, op + n, N); break;
-        case 3: pdq::rows_widened<3>(xp, M, K, wn, op + n, N); break;
-        case 2: pdq::rows_widened<2>(xp, M, K, wn, op + n, N); break;
-        default: pdq::rows_widened<1>(xp, M, K, wn, op + n, N); break;
-      }
+      pdq::with_tile_width(static_cast<int>(std::min<int64_t>(4, N - n)), [&](auto nbc) {
+        pdq::rows_widened<decltype(nbc)::value>(xp, M, K, wn, op + n, N);
+      });
     }
   });
   return out;
