@@ -169,7 +169,21 @@ def gateway_ready(url: str) -> tuple[bool, str]:
         return False, str(exc)
 
 
+def all_workers_live(dep: Deployment, ready_body: str) -> bool:
+    """Whether the gateway's /health/ready body counts every worker this deployment started.
+    The gateway can serve before then (conditional routing needs no prefill worker), but a
+    deployment reported ready with a worker still loading routes and balances differently
+    from the one asked for."""
+    try:
+        workers = json.loads(ready_body).get("workers", {})
+    except ValueError:
+        return False
+    return all(n >= dep.replicas.get(stage, 1) for stage, n in workers.items())
+
+
 def wait_ready(dep: Deployment, timeout_s: float) -> None:
+    """Wait until the gateway is ready and sees every started worker live; raises SystemExit
+    when a process exits while starting or after ``timeout_s`` seconds."""
     end = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < end:
@@ -179,7 +193,7 @@ def wait_ready(dep: Deployment, timeout_s: float) -> None:
                 stop_all(dep)
                 raise SystemExit(f"pdserve: {p.name} exited with {p.popen.returncode} while starting:\n{tail}")
         ok, last = gateway_ready(dep.url)
-        if ok:
+        if ok and all_workers_live(dep, last):
             return
         time.sleep(0.3)
     stop_all(dep)
