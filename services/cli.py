@@ -98,7 +98,7 @@ def cmd_down(args) -> int:
         return 0
     print(f"pdserve: nothing to stop: no running deployment recorded in {state_dir} "
           "(give --state-dir, or PD_NAMESPACE, as used with 'up')", flush=True)
-    return 1
+    return 0  # idempotent, like `docker compose down`: scripts and `make down` may stop twice
 
 
 def cmd_status(args) -> int:
