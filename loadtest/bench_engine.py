@@ -264,6 +264,13 @@ def quantized_weight_count(model: torch.nn.Module) -> int:
     return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, BlockLinear))
 
 
+def served_dtype(settings: Settings) -> torch.dtype:
+    """The dtype the engine computes in under ``settings`` (``PD_DTYPE``, resolved)."""
+    from engine.model_loader import resolve_device, resolve_dtype
+
+    return resolve_dtype(settings.dtype, resolve_device(settings.device))
+
+
 def quality_gate(settings: Settings, folder, tokens: int = 256):
     """Teacher-forced quality of ``PD_WEIGHTS`` against float32 of the same model, or ``None``
     when the weights stay float."""
@@ -272,7 +279,7 @@ def quality_gate(settings: Settings, folder, tokens: int = 256):
     from engine.quality import compare, quantized_copy, repo_text
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    quantized = quantized_copy(reference, settings.weights, folder, settings.block_dot)
+    quantized = quantized_copy(reference, settings.weights, folder, settings.block_dot, served_dtype(settings))
     if quantized_weight_count(quantized) == 0:
         return None
     ids = AutoTokenizer.from_pretrained(folder)(repo_text())["input_ids"][:tokens]
@@ -357,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if gate is not None:
         from engine.quant import resolve_block_dot
 
-        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={resolve_block_dot(settings.block_dot)} "
+        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={resolve_block_dot(settings.block_dot, dtype=served_dtype(settings))} "
               f"vs float32 of the same file (teacher-forced, "
               f"{gate.tokens} tokens of docs/architecture.md)")
         print(f"   top-1 agreement {gate.top1_agreement * 100:.1f}%, perplexity {gate.ppl_quantized:.3f} vs "

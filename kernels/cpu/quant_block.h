@@ -255,6 +255,7 @@ inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* code
     }
     for (int j = 0; j < nb; ++j)
       for (int64_t g = 0; g < ng; ++g) {
+        if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
         vf w[V];
         group_vectors<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g, w);
         for (int v = 0; v < V; ++v) std::memcpy(widened.data() + j * K + g * G + v * L, &w[v], sizeof(vf));
@@ -361,6 +362,7 @@ inline void tile_registers_bf16(const uint16_t* x, int64_t K, const uint8_t* cod
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = bzero();
   for (int64_t g = 0; g < ng; ++g) {
+    prefetch_next_tile<Q4>(codes, d, m, row_bytes, ng, g);
     vbh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = group_bf16<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g);
     for (int r = 0; r < R; ++r) {
@@ -442,8 +444,10 @@ inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint
       continue;
     }
     for (int j = 0; j < nb; ++j)
-      for (int64_t g = 0; g < ng; ++g)
+      for (int64_t g = 0; g < ng; ++g) {
+        if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
         bstore(widened.data() + j * K + g * G, group_bf16<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g));
+      }
     with_tile_width(nb, [&](auto nbc) {
       rows_widened_bf16<decltype(nbc)::value>(xb, M, K, widened.data(), y + n, ldy);
     });
@@ -621,9 +625,11 @@ inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t*
       continue;
     }
     for (int j = 0; j < nb; ++j)
-      for (int64_t g = 0; g < ng; ++g)
+      for (int64_t g = 0; g < ng; ++g) {
+        if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(unpacked.data() + j * K + g * G),
                             group_codes<Q4>(c + j * row_bytes + g * (Q4 ? G / 2 : G)));
+      }
     const int8_t* w = unpacked.data();
     with_tile_width(nb, [&](auto nbc) {
       rows_q8<Q4, true, decltype(nbc)::value>(xr, M, K, c, w, dn, mn, row_bytes, ng, y + n, ldy);

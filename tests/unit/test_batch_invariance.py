@@ -19,7 +19,7 @@ from engine import fused_decode
 from engine.batch_invariant import invariant_linear
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.quant import BlockLinear
+from engine.quant import BlockLinear, bf16_dot_available
 from shared.messages import SamplingParams
 
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
@@ -31,11 +31,12 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 BLOCK_DOT = {"dot": "float32"}
 
 
-@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8"])
+@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8", "Q4_1 bf16"])
 def bf16_model(request, tiny_model_dir):
     """The tiny model in bfloat16 with float weights (the mode's unfused path) and with GGUF-style
     Q4_1 blocks (the default model's storage: every step through the fused per-row path), with
-    the float32 block loops and with int8 activations (PD_BLOCK_DOT=int8, auto on AVX2 CPUs)."""
+    the float32 block loops, with int8 activations (PD_BLOCK_DOT=int8, auto on AVX2 CPUs) and
+    with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
@@ -46,7 +47,9 @@ def bf16_model(request, tiny_model_dir):
                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
     if request.param != "float":
         assert quantize_float(model, request.param.split()[0])["int4"] > 0
-    BLOCK_DOT["dot"] = "int8" if request.param.endswith("int8") else "float32"
+    BLOCK_DOT["dot"] = request.param.split()[1] if " " in request.param else "float32"
+    if BLOCK_DOT["dot"] == "bf16" and not bf16_dot_available(torch.bfloat16):
+        pytest.skip("this CPU has no AVX512-BF16")
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -59,6 +62,7 @@ def make_engine(model, invariant=True, **overrides) -> LLMEngine:
     if invariant and quantized and fused_decode.kernel_available():
         assert engine.runner.fused_all  # the case under test is the fused per-row path
         assert engine.runner.fused.int8 == (BLOCK_DOT["dot"] == "int8")
+        assert engine.runner.fused.bf16 == (BLOCK_DOT["dot"] == "bf16")
     return engine
 
 
