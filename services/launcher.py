@@ -59,14 +59,17 @@ class Deployment:
 
 def torch_threads(settings: Settings, replicas: dict[str, int], stage: str = "") -> int:
     """Torch threads per model worker: prefill workers share the cores out among all model
-    workers; a decode worker takes the cores shared out among decode workers only (at one
-    stream an idle prefill worker's core would otherwise sit unused; measured trade-off against
-    a busy prefill worker in docs/decisions.md)."""
+    workers; decode workers share every core but one among themselves (at one stream an idle
+    prefill worker's core would otherwise sit unused, and the core left over serves the
+    pipeline's other processes; measured in docs/decisions.md, "Threads per model worker")."""
     if settings.torch_threads > 0:
         return settings.torch_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if stage == "decode":
-        return max(1, cores // max(1, replicas.get("decode", 0)))
+        # one core left to the pipeline's other processes (postfilter, gateway, NATS, the decode
+        # worker's own event loop): each of their wake-ups per token otherwise preempts one of
+        # the step's threads and stalls the other at the next barrier
+        return max(1, (cores - 1) // max(1, replicas.get("decode", 0)))
     workers = sum(replicas.get(s, 0) for s in MODEL_STAGES)
     return max(1, cores // max(1, workers))
 

@@ -70,7 +70,12 @@ class Settings:
         default="auto",
     )
     device: str = _doc("auto, cpu or cuda. auto: cuda when available.", default="auto")
-    torch_threads: int = _doc("Torch intra-op threads per model worker; 0 = torch's default.", default=0)
+    torch_threads: int = _doc(
+        "Torch intra-op threads per model worker; 0 = pdserve up's share of this host's cores: a "
+        "prefill worker cores / model workers, a decode worker (cores - 1) / decode workers (one core "
+        "left to the other services); a worker started alone uses torch's default.",
+        default=0,
+    )
     cpu_affinity: str = _doc(
         "CPUs a model worker is pinned to, e.g. \"0\" or \"0-3\"; empty = any.", default=""
     )
