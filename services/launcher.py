@@ -2,7 +2,8 @@
 
 ``up`` makes sure the model is converted, finds (or starts) NATS with JetStream, starts every
 service as its own ``python -m services.<stage>`` process (with the requested replicas),
-waits until the gateway reports ready and prints the URL. In the foreground, Ctrl-C stops
+waits until the gateway reports ready and counts every started worker live, and prints the
+URL. In the foreground, Ctrl-C stops
 everything; with ``--detach`` it returns once ready and ``pdserve down`` stops it later.
 State (pids, logs, a NATS store it started) lives in ``--state-dir`` (default ``.pdserve``).
 """
@@ -25,6 +26,8 @@ from shared.config import Settings
 
 STAGES = ("tokenizer", "prefill", "decode", "postfilter", "gateway")
 MODEL_STAGES = ("prefill", "decode")
+#: the stages whose live workers the gateway's /health/ready body counts
+WORKER_STAGES = ("tokenizer", "prefill", "decode", "postfilter")
 
 
 @dataclass
@@ -172,21 +175,30 @@ def gateway_ready(url: str) -> tuple[bool, str]:
         return False, str(exc)
 
 
-def all_workers_live(dep: Deployment, ready_body: str) -> bool:
-    """Whether the gateway's /health/ready body counts every worker this deployment started.
-    The gateway can serve before then (conditional routing needs no prefill worker), but a
+def workers_short(dep: Deployment, ready_body: str) -> list[str]:
+    """The started worker stages the gateway's /health/ready body does not yet count in full,
+    as ``"decode 1/2"`` (all of them when the body is not the expected JSON). The gateway can
+    serve before every worker is live (conditional routing needs no prefill worker), but a
     deployment reported ready with a worker still loading routes and balances differently
     from the one asked for."""
+    wanted = {s: dep.replicas.get(s, 1) for s in WORKER_STAGES if dep.replicas.get(s, 1) > 0}
     try:
-        workers = json.loads(ready_body).get("workers", {})
-    except ValueError:
-        return False
-    return all(n >= dep.replicas.get(stage, 1) for stage, n in workers.items())
+        workers = json.loads(ready_body).get("workers")
+    except (ValueError, AttributeError):
+        workers = None
+    if not isinstance(workers, dict):
+        workers = {}
+    short = []
+    for stage, n in wanted.items():
+        live = workers.get(stage, 0)
+        if not isinstance(live, int) or live < n:
+            short.append(f"{stage} {live if isinstance(live, int) else 0}/{n}")
+    return short
 
 
 def wait_ready(dep: Deployment, timeout_s: float) -> None:
     """Wait until the gateway is ready and sees every started worker live; raises SystemExit
-    when a process exits while starting or after ``timeout_s`` seconds."""
+    (after stopping everything) when a process exits while starting or after ``timeout_s``."""
     end = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < end:
@@ -196,8 +208,11 @@ def wait_ready(dep: Deployment, timeout_s: float) -> None:
                 stop_all(dep)
                 raise SystemExit(f"pdserve: {p.name} exited with {p.popen.returncode} while starting:\n{tail}")
         ok, last = gateway_ready(dep.url)
-        if ok and all_workers_live(dep, last):
-            return
+        if ok:
+            short = workers_short(dep, last)
+            if not short:
+                return
+            last = "gateway ready, workers not all live yet: " + ", ".join(short)
         time.sleep(0.3)
     stop_all(dep)
     raise SystemExit(f"pdserve: not ready after {timeout_s:.0f}s: {last}")
@@ -264,7 +279,8 @@ def pin_model_workers(replicas: dict[str, int]) -> dict[str, str]:
 
 def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_timeout_s: float,
        quiet: bool = False, affinity: dict[str, str] | None = None, nats_nodes: int = 1) -> Deployment:
-    """Start a deployment; returns once the gateway is ready (or raises SystemExit). With
+    """Start a deployment; returns once the gateway is ready and sees every started worker
+    (or raises SystemExit). With
     ``nats_nodes`` > 1 and no NATS at PD_NATS_URL, a local cluster of that many nodes."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "logs").mkdir(exist_ok=True)
