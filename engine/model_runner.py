@@ -20,16 +20,12 @@ import kernels
 from engine import fused_decode
 from engine.kv_cache import PagedKVCache
 from engine.prompt_logprobs import PromptLogprobRows
-from engine.quant import bf16_dot_available, resolve_block_dot, set_block_dot
+from engine.quant import effective_block_dot, set_block_dot
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSeq
-from shared.logging import get_logger
 from shared.messages import TokenLogprob
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
-
-
-log = get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -177,10 +173,7 @@ class ModelRunner:
         # whether it was decoded, prefilled or re-prefilled (a resumed stream, a recompute)
         #: the block kernels' arithmetic, resolved (engine.quant.BLOCK_DOTS); the same for the fused
         #: step and every BlockLinear (the LM head, unfused steps), so all paths agree
-        self.block_dot = resolve_block_dot(block_dot, dtype=kv_cache.dtype) if self.device.type == "cpu" else "float32"
-        if self.block_dot == "bf16" and not bf16_dot_available(kv_cache.dtype):
-            log.warning("bf16_dot_unavailable", dtype=kv_dtype, fallback="float32")
-            self.block_dot = "float32"
+        self.block_dot = effective_block_dot(block_dot, model.get_input_embeddings().weight.dtype, self.device.type)
         set_block_dot(model, self.block_dot)
         self.fused = fused_decode.build(model, kv_cache.dtype, self.device, self.block_dot)
         self.fused_all = batch_invariant and self.fused is not None

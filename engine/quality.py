@@ -71,19 +71,22 @@ def compare(reference: torch.nn.Module, quantized: torch.nn.Module, token_ids: l
 
 
 def quantized_copy(model: torch.nn.Module, mode: str, folder: Path, block_dot: str = "float32",
-                   dtype: torch.dtype | None = None) -> torch.nn.Module:
+                   dtype: torch.dtype | None = None, device_type: str = "cpu") -> torch.nn.Module:
     """A deep copy of float ``model`` with ``PD_WEIGHTS=mode`` applied (see :mod:`engine.weights`)
     and its block layers multiplying with ``PD_BLOCK_DOT=block_dot`` (see
     :func:`engine.quant.resolve_block_dot`; ``int8`` quantizes their inputs too, ``bf16``
-    rounds inputs and weights to bf16). ``dtype``: the dtype the served engine computes in,
-    which ``auto`` depends on; the copy itself stays in ``model``'s dtype, so the comparison
-    measures the weights and the block arithmetic alone."""
-    from engine.quant import resolve_block_dot, set_block_dot
+    rounds inputs and weights to bf16), resolved as the served engine resolves it
+    (:func:`engine.quant.effective_block_dot`). ``dtype`` and ``device_type``: what the served
+    engine computes in and on (``dtype`` default: ``model``'s); the copy itself stays in
+    ``model``'s dtype on the CPU, so the comparison measures the weights and the block
+    arithmetic alone."""
+    from engine.quant import effective_block_dot, set_block_dot
     from engine.weights import apply_weights
 
     clone = copy.deepcopy(model)
     apply_weights(clone, mode, folder, torch.device("cpu"))
-    set_block_dot(clone, resolve_block_dot(block_dot, dtype=dtype))
+    set_block_dot(clone, effective_block_dot(block_dot, dtype or model.get_input_embeddings().weight.dtype,
+                                             device_type))
     return clone
 
 

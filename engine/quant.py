@@ -102,6 +102,25 @@ def bf16_dot_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and ext is not None and bool(getattr(ext, "has_bf16", False))
 
 
+def effective_block_dot(setting: str, dtype: torch.dtype, device_type: str = "cpu") -> str:
+    """The arithmetic the block kernels use for ``PD_BLOCK_DOT=setting`` in a model computing in
+    ``dtype`` on ``device_type``: :func:`resolve_block_dot`, then ``float32`` off the CPU, and
+    ``float32`` (with a ``bf16_dot_unavailable`` warning) where ``bf16`` cannot apply (see
+    :func:`bf16_dot_available`). The engine, the quality gate and the benchmark's labels all
+    resolve through here, so they agree.
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    dot = resolve_block_dot(setting, dtype=dtype)
+    if device_type != "cpu":
+        return "float32"
+    if dot == "bf16" and not bf16_dot_available(dtype):
+        log.warning("bf16_dot_unavailable", dtype=str(dtype).removeprefix("torch."), fallback="float32")
+        return "float32"
+    return dot
+
+
 def set_block_dot(model: torch.nn.Module, dot: str) -> int:
     """Set the arithmetic of every :class:`BlockLinear` of ``model`` (one of :data:`BLOCK_DOTS`:
     ``int8`` activations, ``bf16`` dot products, else float32); returns how many layers there

@@ -264,11 +264,12 @@ def quantized_weight_count(model: torch.nn.Module) -> int:
     return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, BlockLinear))
 
 
-def served_dtype(settings: Settings) -> torch.dtype:
-    """The dtype the engine computes in under ``settings`` (``PD_DTYPE``, resolved)."""
+def served_compute(settings: Settings) -> tuple[torch.dtype, str]:
+    """(dtype, device type) the engine computes in under ``settings``, resolved."""
     from engine.model_loader import resolve_device, resolve_dtype
 
-    return resolve_dtype(settings.dtype, resolve_device(settings.device))
+    device = resolve_device(settings.device)
+    return resolve_dtype(settings.dtype, device), device.type
 
 
 def quality_gate(settings: Settings, folder, tokens: int = 256):
@@ -279,7 +280,7 @@ def quality_gate(settings: Settings, folder, tokens: int = 256):
     from engine.quality import compare, quantized_copy, repo_text
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    quantized = quantized_copy(reference, settings.weights, folder, settings.block_dot, served_dtype(settings))
+    quantized = quantized_copy(reference, settings.weights, folder, settings.block_dot, *served_compute(settings))
     if quantized_weight_count(quantized) == 0:
         return None
     ids = AutoTokenizer.from_pretrained(folder)(repo_text())["input_ids"][:tokens]
@@ -362,9 +363,10 @@ def main(argv: list[str] | None = None) -> int:
 
     gate = quality_gate(settings, folder)
     if gate is not None:
-        from engine.quant import resolve_block_dot
+        from engine.quant import effective_block_dot
 
-        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={resolve_block_dot(settings.block_dot, dtype=served_dtype(settings))} "
+        dot = effective_block_dot(settings.block_dot, *served_compute(settings))
+        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={dot} "
               f"vs float32 of the same file (teacher-forced, "
               f"{gate.tokens} tokens of docs/architecture.md)")
         print(f"   top-1 agreement {gate.top1_agreement * 100:.1f}%, perplexity {gate.ppl_quantized:.3f} vs "

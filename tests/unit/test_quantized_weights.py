@@ -290,3 +290,20 @@ def test_gguf_source_survives_the_converting_venv_being_gone(tmp_path):
     assert gguf_source(tmp_path) == here
     (tmp_path / COMPLETE_MARKER).write_text(json.dumps({"source": "/gone/venv/other.gguf"}))
     assert gguf_source(tmp_path) is None
+
+
+def test_effective_block_dot_falls_back_where_bf16_cannot_apply(tiny):
+    """The engine, the quality gate and the bench resolve PD_BLOCK_DOT alike: bf16 only for a
+    bfloat16 model on a CPU with bf16 dot products, float32 (not an error) elsewhere."""
+    from engine.quant import bf16_dot_available, effective_block_dot
+
+    assert effective_block_dot("bf16", torch.float32) == "float32"
+    assert effective_block_dot("auto", torch.bfloat16, "cuda") == "float32"
+    assert effective_block_dot("int8", torch.float32) == "int8"
+    here = "bf16" if bf16_dot_available(torch.bfloat16) else "float32"
+    assert effective_block_dot("bf16", torch.bfloat16) == here
+    # the gate's float32 copy multiplies as the served bfloat16 engine would
+    folder, model, _ = tiny
+    clone = quantized_copy(model, "int8", folder, "bf16", dtype=torch.bfloat16)
+    layers = [m for m in clone.modules() if isinstance(m, BlockLinear)]
+    assert layers and all(m.bf16 == (here == "bf16") and not m.int8 for m in layers)
