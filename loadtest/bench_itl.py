@@ -218,18 +218,20 @@ def main(argv: list[str] | None = None) -> int:
             launcher.stop_all(dep)
             local_infra.drop_namespace(s)
     if not args.no_alone:
-        step_alone(settings, context=256 + args.tokens // 2)
+        step_alone(s, context=256 + args.tokens // 2)
     return 0
 
 
 def step_alone(settings: Settings, context: int) -> None:
-    """The same engine's batch-1 decode step in this process, nothing else running in it
-    (the decode worker's thread count: every core), for comparison with the step inside."""
+    """The same engine's batch-1 decode step in this process, nothing else running in it,
+    on the decode worker's thread count (``--threads``, else the launcher's share), for
+    comparison with the step inside."""
     import torch
 
     from loadtest.bench_engine import decode_rates
+    from services.launcher import torch_threads
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(torch_threads(settings, {"prefill": 1, "decode": 1}, "decode"))
     step = decode_rates(settings.replace(torch_threads=0), [1], context, 32)[1]
     print(f"engine step alone (batch 1, context {context}, {torch.get_num_threads()} threads, median of 32): "
           f"{step * 1e3:.2f} ms; load average {os.getloadavg()[0]:.2f}")
