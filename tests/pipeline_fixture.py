@@ -56,19 +56,6 @@ def heartbeats(settings: Settings, seconds: float = 1.5) -> dict:
     return collect_heartbeats(settings, seconds)
 
 
-def wait_until_ready(settings: Settings, stage: str, timeout_s: float = 240.0) -> None:
-    """Block until an instance of ``stage`` heartbeats ``ready``. The gateway is ready without a
-    prefill worker under conditional routing (decode workers prefill locally then), so a test of
-    where prompts go must wait for the one it expects to be used."""
-    import time
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if any(h.stage == stage and h.ready for h in heartbeats(settings, 1.0).values()):
-            return
-    raise AssertionError(f"no ready {stage} worker after {timeout_s:.0f} s")
-
-
 def metric_value(port: int, name: str, labels: str = "") -> float:
     """A metric's value from a worker's /metrics (0 when absent)."""
     from shared.observe import scrape_metric

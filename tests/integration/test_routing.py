@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.integration.test_pipeline import chat_body, reference_text
-from tests.pipeline_fixture import deployment, heartbeats, metric_value, wait_until_ready
+from tests.pipeline_fixture import deployment, heartbeats, metric_value
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -45,9 +45,6 @@ def test_conditional_routing_sends_short_prompts_local_and_long_ones_remote(tmp_
     limit = (n_short + n_long) // 2
     with deployment(tmp_path, str(tiny_model_dir), ns, routing="conditional", router_local_max_tokens=limit,
                     block_size=4) as dep, httpx.Client(base_url=dep.url, timeout=60) as client:
-        # the gateway is ready before the prefill worker is (the decode worker can prefill alone);
-        # CI once sent all three before it was, and every prompt went local for "liveness"
-        wait_until_ready(dep.settings, "prefill")
         for content in (SHORT, LONG, SHORT):
             expected, _, _ = reference_text(tiny_model, content, 12)
             body = client.post("/v1/chat/completions", json=chat_body(content, max_tokens=12)).json()
