@@ -63,15 +63,15 @@ BLOCK_DOTS = ("float32", "int8", "bf16")
 
 def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.dtype | None = None) -> str:
     """The block kernels' arithmetic for ``PD_BLOCK_DOT=setting``: one of :data:`BLOCK_DOTS`,
-    or ``auto``, which is, measured per CPU kind (docs/decisions.md, "Which arithmetic `auto`
-    picks"):
+    or ``auto``, which is, measured per CPU kind (docs/decisions.md, "Int8 activations on AVX2"
+    and "bf16 dot products timed on AVX512-BF16"):
 
     * ``int8`` on a CPU without AVX-512 (AVX2 EPYC: the integer dot products run 1.4-2.2x the
       float32 loops' GFLOP/s, and the batch-1 decode step is faster);
     * ``bf16`` with AVX512-BF16 when the model computes in bfloat16 (``dtype``; what
       ``PD_DTYPE=auto`` picks there). On the AVX-512 EPYC (Zen 4 class) its loops run 1.3-2.4x
       the float32 ones from 4 rows up, and the engine decoded 1.6-1.8x the tokens/s at batch
-      8-64 and prefilled 1.6-2.4x faster, 8 % slower at batch 1;
+      8-64 and prefilled 1.6-2.4x faster, as fast at batch 1;
     * ``float32`` otherwise on AVX-512 (16-lane float32 loops, exact; the int8 loops measured
       slower there from 4 rows up).
 
@@ -95,11 +95,15 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
     return "bf16" if "avx512_bf16" in flags and dtype == torch.bfloat16 else "float32"
 
 
+def _kernel_has_bf16() -> bool:
+    """Whether the block kernel is built with bf16 dot products (AVX512-BF16)."""
+    return bool(getattr(_kernel(), "has_bf16", False))
+
+
 def bf16_dot_available(dtype: torch.dtype) -> bool:
     """Whether ``PD_BLOCK_DOT=bf16`` can apply: a model computing in ``dtype`` bfloat16 and a
     block kernel built with bf16 dot products (AVX512-BF16)."""
-    ext = _kernel()
-    return dtype == torch.bfloat16 and ext is not None and bool(getattr(ext, "has_bf16", False))
+    return dtype == torch.bfloat16 and _kernel_has_bf16()
 
 
 def effective_block_dot(setting: str, dtype: torch.dtype, device_type: str = "cpu") -> str:
@@ -130,7 +134,7 @@ def set_block_dot(model: torch.nn.Module, dot: str) -> int:
         ValueError: ``bf16`` where the block kernel has no bf16 dot products.
     """
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
-    if dot == "bf16" and layers and not getattr(_kernel(), "has_bf16", False):
+    if dot == "bf16" and layers and not _kernel_has_bf16():
         raise ValueError("PD_BLOCK_DOT=bf16 needs a CPU with AVX512-BF16 (and the block kernel built)")
     for m in layers:
         m.int8 = dot == "int8"
