@@ -264,23 +264,17 @@ def quantized_weight_count(model: torch.nn.Module) -> int:
     return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, BlockLinear))
 
 
-def served_compute(settings: Settings) -> tuple[torch.dtype, str]:
-    """(dtype, device type) the engine computes in under ``settings``, resolved."""
-    from engine.model_loader import resolve_device, resolve_dtype
-
-    device = resolve_device(settings.device)
-    return resolve_dtype(settings.dtype, device), device.type
-
-
-def quality_gate(settings: Settings, folder, tokens: int = 256):
+def quality_gate(settings: Settings, folder, block_dot: str, dtype: torch.dtype, device_type: str,
+                 tokens: int = 256):
     """Teacher-forced quality of ``PD_WEIGHTS`` against float32 of the same model, or ``None``
-    when the weights stay float."""
+    when the weights stay float; the block layers multiply with the served engine's resolved
+    ``block_dot`` (for a model served in ``dtype`` on ``device_type``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.quality import compare, quantized_copy, repo_text
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    quantized = quantized_copy(reference, settings.weights, folder, settings.block_dot, *served_compute(settings))
+    quantized = quantized_copy(reference, settings.weights, folder, block_dot, dtype, device_type)
     if quantized_weight_count(quantized) == 0:
         return None
     ids = AutoTokenizer.from_pretrained(folder)(repo_text())["input_ids"][:tokens]
@@ -306,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     from shared.model_files import served_model_name
 
     folder = ensure_model(settings)
-    dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
     probe = build(settings, kv_cache_memory_bytes=64 << 20)
+    block_dot = probe.runner.block_dot  # the arithmetic the engine resolved (fallbacks included)
     params = parameter_count(probe.model)
     weight_bytes = weight_bytes_read(probe.model)
     kv_per_token = probe.bytes_per_token
@@ -361,12 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {label:<33} {pt[key] * 1e3:8.1f} ms = {frac * 100:4.1f}% of cold "
               f"(target ≤ 15%: {'meets' if frac <= 0.15 else 'MISSES'})")
 
-    gate = quality_gate(settings, folder)
+    gate = quality_gate(settings, folder, block_dot, dtype, device.type)
     if gate is not None:
-        from engine.quant import effective_block_dot
-
-        dot = effective_block_dot(settings.block_dot, *served_compute(settings))
-        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={dot} "
+        print(f"\n6. quality of PD_WEIGHTS={settings.weights} PD_BLOCK_DOT={block_dot} "
               f"vs float32 of the same file (teacher-forced, "
               f"{gate.tokens} tokens of docs/architecture.md)")
         print(f"   top-1 agreement {gate.top1_agreement * 100:.1f}%, perplexity {gate.ppl_quantized:.3f} vs "
