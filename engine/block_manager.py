@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
+from shared.hashing import num_reusable_blocks
 
 
 class NoFreeBlocks(RuntimeError):
@@ -74,7 +75,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = num_reusable_blocks(seq.num_tokens, self.block_size)
         hits = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.cached_blocks.get(block_hash)

@@ -26,5 +26,5 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     kv_pinned_buffer_bytes: int = 256 << 20
-    batch_invariant: bool = True  # PD_BATCH_INVARIANT: engine.batch_invariant
-    block_dot: str = "float32"  # PD_BLOCK_DOT: engine.quant.resolve_block_dot (auto, float32, int8, bf16)
+    batch_invariant: bool = True  # PD_BATCH_INVARIANT: engine.model.batch_invariant
+    block_dot: str = "float32"  # PD_BLOCK_DOT: engine.model.quant.resolve_block_dot (auto, float32, int8, bf16)

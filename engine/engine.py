@@ -18,13 +18,12 @@ from collections.abc import Sequence as Seq
 import msgspec
 import torch
 
-from engine.block_manager import BlockManager, KVBlock
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import LazyGrammar, advance
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_attention
 from engine.outputs import EngineStats, PromptKV, StepOutput
-from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from shared.errors import ContextLengthExceeded, InvalidRequest
@@ -89,12 +88,12 @@ class LLMEngine:
     @classmethod
     def load(cls, folder, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LLMEngine:
         """Load a Hugging Face model folder and build an engine around it."""
-        from engine.model_loader import load_model
+        from engine.model.loader import load_model
 
         register_attention()
         model = load_model(folder, dtype, device, ATTN_IMPLEMENTATION)
         if config.weights != "float":
-            from engine.weights import apply_weights
+            from engine.model.weights import apply_weights
 
             apply_weights(model, config.weights, folder, device)
         engine = cls(model, config, eos_token_ids=eos_ids_of(model))
@@ -198,10 +197,6 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` would find room in the pool now."""
-        return -(-num_tokens // self.config.block_size) <= self.block_manager.num_free_blocks
-
     def cached_block_hashes(self, block_hashes: Seq[bytes]) -> int:
         """How many leading hashes are in this worker's prefix cache (a hint: the answer may
         change before the engine thread acts on it)."""
@@ -269,7 +264,7 @@ class LLMEngine:
         num_full = num_prompt // bs
         local = loaded = 0
         # a prompt decode prefills itself with prompt logprobs needs every position's logits
-        if wants_prompt_logprobs(seq):
+        if seq.wants_prompt_logprobs:
             num_full, tail = 0, None
         for i in range(num_full):
             h = seq.block_hashes[i]
@@ -406,12 +401,8 @@ def eos_ids_of(model: torch.nn.Module) -> set[int]:
     return ids
 
 
-def block_for(bm: BlockManager, block_id: int) -> KVBlock:
-    return bm.blocks[block_id]
-
-
 def step_shape(scheduled) -> tuple[list[list[int]], int, int]:
-    """What a step computes, in the simulator's cost terms (``loadtest/sim/profile.py``):
+    """What a step computes, in the simulator's cost terms (``sim/profile.py``):
     ``([[chunk tokens, context tokens before the chunk], ...], decode batch, decode context
     tokens)`` — a decode is a one-token item of a sequence past its prompt (as :meth:`LLMEngine._update`
     counts it, :func:`is_decode`). Read before the step runs."""

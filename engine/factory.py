@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.model_loader import ensure_model, resolve_device, resolve_dtype
+from engine.model.loader import ensure_model, resolve_device, resolve_dtype
 from shared.config import Settings, parse_batch_sizes
 from shared.logging import get_logger
 from shared.model_files import served_model_name

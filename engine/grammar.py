@@ -170,7 +170,7 @@ class GrammarBackend:
         """The bitmasks of ``matchers`` now, ``[len(matchers), ceil(vocab/32)]`` int32: one
         llguidance executor call (rows in parallel) for :data:`PARALLEL_MIN_ROWS` rows or more
         on a machine with more than 4 CPUs, else one call per row (cheaper there:
-        ``loadtest/bench_grammar.py`` measures both)."""
+        ``loadtest/experiments/bench_grammar.py`` measures both)."""
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
         if len(matchers) >= PARALLEL_MIN_ROWS and (os.cpu_count() or 1) > 4:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from engine import fused_decode
 from engine.kv_cache import PagedKVCache
+from engine.model import fused_decode
+from engine.model.quant import effective_block_dot, set_block_dot
 from engine.prompt_logprobs import PromptLogprobRows
-from engine.quant import effective_block_dot, set_block_dot
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSeq
 from shared.messages import TokenLogprob
@@ -134,13 +134,13 @@ class StepResult:
 
 
 def float_logits_from_quantized_head(model: torch.nn.Module) -> None:
-    """Make a quantized LM head (``engine.quant.BlockLinear``) take float32 input, so the logits
+    """Make a quantized LM head (``engine.model.quant.BlockLinear``) take float32 input, so the logits
     come out in float32 (its kernel accumulates in float32 anyway; the fused decode step already
     feeds it float32). bfloat16 logits are rounded to 1/8 near 20: greedy choices tie, and the
     README's example ("What is the capital of France?") answered "L'Étoile, la Marseillaise"
     instead of "The capital of France is Paris".
     """
-    from engine.quant import BlockLinear
+    from engine.model.quant import BlockLinear
 
     head = getattr(model, "lm_head", None)
     if isinstance(head, BlockLinear) and not getattr(head, "float_logits", False):
@@ -155,9 +155,9 @@ class ModelRunner:
         model: a transformers causal LM loaded with ``attn_implementation=ATTN_IMPLEMENTATION``.
         kv_cache: the paged KV pool.
         attention_backend: see :func:`kernels.select`.
-        batch_invariant: see :mod:`engine.batch_invariant` (``PD_BATCH_INVARIANT``).
+        batch_invariant: see :mod:`engine.model.batch_invariant` (``PD_BATCH_INVARIANT``).
         block_dot: the block kernels' arithmetic (``PD_BLOCK_DOT``: auto, float32, int8, bf16),
-            see :func:`engine.quant.resolve_block_dot` and :func:`engine.fused_decode.build`.
+            see :func:`engine.model.quant.resolve_block_dot` and :func:`engine.model.fused_decode.build`.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto",
@@ -171,7 +171,7 @@ class ModelRunner:
         # None: steps run unfused. With it, decode-only steps run fused; in the batch-invariant mode
         # every step does (prefill too), so a token's KV and logits come from one per-row path
         # whether it was decoded, prefilled or re-prefilled (a resumed stream, a recompute)
-        #: the block kernels' arithmetic, resolved (engine.quant.BLOCK_DOTS); the same for the fused
+        #: the block kernels' arithmetic, resolved (engine.model.quant.BLOCK_DOTS); the same for the fused
         #: step and every BlockLinear (the LM head, unfused steps), so all paths agree
         self.block_dot = effective_block_dot(block_dot, model.get_input_embeddings().weight.dtype, self.device.type)
         set_block_dot(model, self.block_dot)
@@ -181,19 +181,19 @@ class ModelRunner:
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
         if batch_invariant:
-            from engine.batch_invariant import apply
+            from engine.model.batch_invariant import apply
 
             apply(self)
-        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
+        self.graphs = None  # engine.model.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.grammar = None  # engine.grammar.GrammarBackend once a constrained request came
 
     def enable_cuda_graphs(self, batch_sizes: Seq[int], max_blocks_per_seq: int, capture=None) -> None:
-        """Capture decode steps as CUDA graphs, one per batch size (see ``engine.cuda_graphs``).
+        """Capture decode steps as CUDA graphs, one per batch size (see ``engine.model.cuda_graphs``).
 
         Needs an attention backend whose ``write_kv`` skips negative slots (Triton's).
         ``capture`` defaults to the real CUDA capture; tests pass a stand-in.
         """
-        from engine.cuda_graphs import DecodeGraphs, cuda_capture
+        from engine.model.cuda_graphs import DecodeGraphs, cuda_capture
 
         def make_meta(slot_mapping, block_tables, context_lens):
             return AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=slot_mapping,

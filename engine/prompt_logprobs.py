@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 ROWS_PER_PIECE = 256
 
 
-def wants_prompt_logprobs(seq) -> bool:
-    """Whether ``seq`` asked for prompt logprobs and has not produced output yet."""
-    return seq.sampling.prompt_logprobs is not None and seq.num_tokens == seq.num_prompt_tokens
-
-
 @dataclass(slots=True)
 class _Part:
     seq: object
@@ -61,7 +56,7 @@ class PromptLogprobRows:
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            if wants_prompt_logprobs(seq):
+            if seq.wants_prompt_logprobs:
                 # rows predicting prompt tokens start+1 .. min(start+n, num_prompt-1)
                 last = min(start + n, seq.num_prompt_tokens - 1)
                 rows = [query_start + j for j in range(last - start)]

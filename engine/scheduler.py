@@ -20,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -113,7 +112,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             # prompt logprobs need the logits of every prompt position: no prefix-cache hits
-            use_cache = seq.num_computed_tokens == 0 and not wants_prompt_logprobs(seq)
+            use_cache = seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs
             computed = bm.get_computed_blocks(seq) if use_cache else []
             num_computed = seq.num_computed_tokens + len(computed) * bm.block_size
             n = min(seq.num_tokens - num_computed, budget, self.max_chunk)

@@ -86,6 +86,12 @@ class Sequence:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether this sequence asked for prompt logprobs and has not produced output yet
+        (then every prompt position needs its logits: no prefix-cache hits)."""
+        return self.sampling.prompt_logprobs is not None and self.num_tokens == self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -138,7 +138,7 @@ def model_folder(settings, which: str) -> tuple[Path, str]:
     be had, else synthetic)."""
     import tempfile
 
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
 
     if which in ("default", "auto"):
         try:

@@ -15,6 +15,9 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
+import uuid
+from pathlib import Path
 
 from shared.config import Settings
 
@@ -43,11 +46,92 @@ def measure(url: str, model: str, concurrency: int, out_tokens: int = 64) -> tup
             sum(r.output_tokens for r in ok) / wall)
 
 
+def http_rates(settings: Settings, threads: int, quick: bool, levels: tuple[int, ...] = (1, 8, 32),
+               transformers: bool = True) -> list[tuple[str, int, float, float, float, str]]:
+    """(server, concurrency, ITL p50 ms, TTFT p50 ms, output tokens/s, note) through HTTP, in one
+    run: pdserve as ``pdserve up`` starts it (1 prefill + 1 decode worker, the launcher's thread
+    share, the README's defaults), llama.cpp's server on the same GGUF (``-t`` = this machine's
+    cores, ``--parallel`` = the concurrency) and plain transformers ``generate`` (concurrency 1).
+    Requests as :func:`loadtest.bench_http.measure`: ~200-word prompts, 64 output tokens
+    (32 with ``quick``), streamed, ``ignore_eos``."""
+    from engine.model.loader import ensure_model
+    from loadtest.baselines import LlamaCpp, ServerThread, find_llama_server, hf_app
+    from loadtest.infra import free_port
+    from services import launcher, local_infra
+    from shared.model_files import DEFAULT_GGUF_FILE, default_gguf_path, served_model_name
+
+    name = served_model_name(settings)
+    out_tokens = 32 if quick else 64
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # torch_threads=0: the launcher shares the cores out among the model workers as
+        # `pdserve up` does (the bench's --threads for every worker oversubscribes the cores:
+        # measured 13.8 against 20.7 tok/s at concurrency 1 on 2 cores)
+        s = settings.replace(namespace=f"bench{uuid.uuid4().hex[:6]}", gateway_port=free_port(),
+                             kv_cache_memory_bytes=1 << 30, max_num_seqs=64, torch_threads=0)
+        dep = launcher.up(s, {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1},
+                          Path(tmp), ready_timeout_s=600, quiet=True)
+        try:
+            measure(dep.url, name, 1, out_tokens)  # warm-up
+            rows += [("pdserve up", c, *measure(dep.url, name, c, out_tokens), "") for c in levels]
+        finally:
+            launcher.stop_all(dep)
+            local_infra.drop_namespace(s)
+    binary = find_llama_server()
+    gguf = default_gguf_path() if not settings.model else None
+    if binary is None:
+        rows.append(("llama.cpp server", 0, *(float("nan"),) * 3,
+                     "not found: pdserve bench engine --build-llama (or PD_LLAMA_SERVER=path)"))
+    elif gguf is None:
+        rows.append(("llama.cpp server", 0, *(float("nan"),) * 3, f"needs the GGUF ({DEFAULT_GGUF_FILE}); PD_MODEL is set"))
+    else:
+        for c in levels:
+            try:
+                with LlamaCpp(binary, gguf, free_port(), threads, parallel=c) as server:
+                    measure(server.url, name, 1, out_tokens)
+                    rows.append((f"llama.cpp server -t {threads}", c, *measure(server.url, name, c, out_tokens), ""))
+            except RuntimeError as exc:  # e.g. a build for another CPU: SIGILL at start
+                rows.append((f"llama.cpp server -t {threads}", c, *(float("nan"),) * 3, f"did not start: {exc}"))
+    if not transformers:
+        return rows
+    folder = ensure_model(settings)
+    with ServerThread(hf_app(folder, name, threads), free_port()) as server:
+        measure(server.url, name, 1, out_tokens)
+        rows.append(("transformers generate", 1, *measure(server.url, name, 1, out_tokens), "one request at a time"))
+    return rows
+
+
+def print_http(rows) -> None:
+    """Print :func:`http_rates` rows as a table, then :func:`http_verdicts`."""
+    print(f"   {'server':<26} {'conc':>4} {'ITL p50 ms':>10} {'TTFT p50 ms':>11} {'out tok/s':>9}")
+    for server, c, itl, ttft, tps, note in rows:
+        print(f"   {server:<26} {c:>4} {itl:>10.1f} {ttft:>11.0f} {tps:>9.1f}  {note}")
+    for line in http_verdicts(rows):
+        print(f"   {line}")
+
+
+def http_verdicts(rows) -> list[str]:
+    """Issue 12's HTTP targets from :func:`http_rates` rows, one line each: pdserve's ITL p50 at
+    concurrency 1 at most llama.cpp's; output tokens/s at least 3x llama.cpp's at 8 and 6x at 32."""
+    ours = {c: (itl, tps) for server, c, itl, _, tps, _ in rows if server == "pdserve up"}
+    theirs = {c: (itl, tps) for server, c, itl, _, tps, _ in rows if server.startswith("llama.cpp") and tps == tps}
+    lines = []
+    if 1 in ours and 1 in theirs:
+        ratio = ours[1][0] / theirs[1][0]
+        lines.append(f"ITL p50 at concurrency 1: pdserve {ours[1][0]:.1f} ms / llama.cpp {theirs[1][0]:.1f} ms = "
+                     f"{ratio:.2f}x (target <= 1x: {'meets' if ratio <= 1 else 'MISSES'})")
+    for c, target in ((8, 3.0), (32, 6.0)):
+        if c in ours and c in theirs:
+            ratio = ours[c][1] / theirs[c][1]
+            lines.append(f"output tok/s at concurrency {c}: {ratio:.2f}x llama.cpp (target >= {target:.0f}x: "
+                         f"{'meets' if ratio >= target else 'MISSES'})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_http")
     p.add_argument("--concurrency", default="1,8,32")
     args = p.parse_args(argv)
-    from loadtest.bench_engine import http_rates, print_http
 
     settings = Settings.from_env()
     levels = tuple(int(c) for c in args.concurrency.split(","))

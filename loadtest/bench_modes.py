@@ -115,7 +115,7 @@ async def _stall(url: str, model: str, prompt: list[int], background: list[int])
 
 
 def _vocab(settings: Settings) -> int:
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from services.tokenizer.prompts import model_limits
 
     return model_limits(ensure_model(settings), 0)[0]
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv or [])
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     base = Settings.from_env()
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
 
     ensure_model(base)
     model = _model_name(base)

@@ -50,7 +50,7 @@ def bench_in_process(settings: Settings, prompts: list[str], max_tokens: int, th
     import torch
 
     from engine.factory import build_engine
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from shared.messages import SamplingParams
     from shared.model_files import load_tokenizer
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--words", type=int, default=200)
     p.add_argument("--kv-store", choices=("shm", "redis"), default=None)
     args = p.parse_args(argv or [])
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from services.launcher import torch_threads
     from shared.model_files import served_model_name
 

@@ -11,9 +11,12 @@ import importlib
 import sys
 
 #: ``pdserve bench <name> [options]``: the module whose ``main(argv)`` runs it (each parses its own options).
+#: The component experiments (one kernel or one cost alone) live in ``loadtest/experiments/``.
 BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench_engine", "modes": "bench_modes",
-              "load": "loadgen", "gpu": "bench_gpu",
-              "sim-validate": "sim.validate", "invariant": "bench_invariant"}
+              "http": "bench_http", "itl": "bench_itl", "load": "loadgen", "gpu": "bench_gpu",
+              "sim-validate": "sim_validate",
+              "invariant": "experiments.bench_invariant", "block-kernel": "experiments.bench_block_kernel",
+              "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar"}
 
 
 def bench(argv: list[str]) -> int:

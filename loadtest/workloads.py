@@ -20,55 +20,11 @@ from __future__ import annotations
 import csv
 import json
 import random
-from dataclasses import dataclass
-from datetime import datetime
-from pathlib import Path
 
 from loadtest.client import RequestSpec
 
-#: Token ids drawn for synthetic prompts stay inside this range (clear of special tokens),
-#: narrowed for a smaller vocabulary.
-TOKEN_LOW, TOKEN_HIGH = 1000, 40000
-
-
-def token_range(vocab_size: int | None) -> tuple[int, int]:
-    if not vocab_size or vocab_size >= TOKEN_HIGH:
-        return TOKEN_LOW, TOKEN_HIGH
-    return min(TOKEN_LOW, vocab_size // 4), vocab_size
-TRACES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-SAMPLES_DIR = Path(__file__).resolve().parent / "data"
-
-
-@dataclass(frozen=True)
-class Scaling:
-    """How a trace was fitted to this machine; printed in every report."""
-
-    time_scale: float
-    max_prompt_tokens: int
-    max_output_tokens: int
-    block_tokens: int = 0
-    note: str = ""
-
-    def describe(self) -> str:
-        s = (f"inter-arrival gaps × {self.time_scale:g}, prompts capped at {self.max_prompt_tokens} tokens, "
-             f"outputs at {self.max_output_tokens}")
-        if self.block_tokens:
-            s += f", Mooncake 512-token blocks scaled to {self.block_tokens} tokens"
-        return s + (f"; {self.note}" if self.note else "")
-
-
-def random_tokens(rng: random.Random, n: int, vocab_size: int | None = None) -> list[int]:
-    low, high = token_range(vocab_size)
-    return [rng.randrange(low, high) for _ in range(n)]
-
-
-def trace_path(name: str) -> Path:
-    """A trace file from ``../shared/traces`` (the full public traces) or the bundled samples."""
-    for folder in (TRACES_DIR, SAMPLES_DIR):
-        path = folder / name
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"trace {name} is in neither {TRACES_DIR} nor {SAMPLES_DIR}")
+# the trace files and their fitting are the simulator's too (sim/trace.py): one reading of each
+from sim.trace import TOKEN_HIGH, TOKEN_LOW, Scaling, random_tokens, timestamp_s, token_range, trace_path  # noqa: F401
 
 
 def azure(name: str, n: int, scaling: Scaling, seed: int = 0, start: int = 0, vocab_size: int | None = None
@@ -84,21 +40,15 @@ def azure(name: str, n: int, scaling: Scaling, seed: int = 0, start: int = 0, vo
             if len(rows) == n:
                 break
             rows.append(row)
-    t0 = _ts(rows[0]["TIMESTAMP"])
+    t0 = timestamp_s(rows[0]["TIMESTAMP"])
     specs = []
     for row in rows:
         prompt = min(int(row["ContextTokens"]), scaling.max_prompt_tokens)
         output = max(1, min(int(row["GeneratedTokens"]), scaling.max_output_tokens))
-        specs.append(RequestSpec(send_at=(_ts(row["TIMESTAMP"]) - t0) * scaling.time_scale,
+        specs.append(RequestSpec(send_at=(timestamp_s(row["TIMESTAMP"]) - t0) * scaling.time_scale,
                                  prompt=random_tokens(rng, max(1, prompt), vocab_size), max_tokens=output, chat=False,
                                  tag=f"prompt={prompt}"))
     return specs
-
-
-def _ts(text: str) -> float:
-    # "2023-11-16 18:17:03.9799600": seven fractional digits
-    head, _, frac = text.partition(".")
-    return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
 
 
 def mooncake(name: str, n: int, scaling: Scaling, seed: int = 0, vocab_size: int | None = None) -> list[RequestSpec]:

@@ -7,7 +7,7 @@
     pdserve settings
     pdserve bench {pipeline,bus,engine,modes,load,gpu} (from loadtest/, see COMMANDS_GROUP)
     pdserve chaos                                    (from loadtest/)
-    pdserve profile | plan | simulate                (from loadtest/sim/)
+    pdserve profile | plan | simulate                (from sim/)
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
 
     started = time.monotonic()
     print(ensure_model(_settings(args)), f"({time.monotonic() - started:.1f}s)")

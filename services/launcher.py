@@ -18,9 +18,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.deployment import Deployment, Proc, terminate  # noqa: F401 (Deployment and terminate re-exported)
 from services.local_infra import ensure_nats, ensure_redis
 from shared.config import Settings
 
@@ -28,36 +28,6 @@ STAGES = ("tokenizer", "prefill", "decode", "postfilter", "gateway")
 MODEL_STAGES = ("prefill", "decode")
 #: the stages whose live workers the gateway's /health/ready body counts
 WORKER_STAGES = ("tokenizer", "prefill", "decode", "postfilter")
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-    started_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class Deployment:
-    settings: Settings
-    state_dir: Path
-    replicas: dict[str, int]
-    affinity: dict[str, str] = field(default_factory=dict)  # process name → CPU list
-    procs: list[Proc] = field(default_factory=list)
-    nats_proc: subprocess.Popen | None = None
-    nats_nodes: int = 1  # > 1: start a local cluster of this many nodes (pdserve up --nats-cluster)
-    nats_cluster: object = None  # services.nats_cluster.NatsCluster, when started here
-    redis_proc: subprocess.Popen | None = None
-    quiet: bool = False
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.settings.gateway_host}:{self.settings.gateway_port}"
-
-    def say(self, text: str) -> None:
-        if not self.quiet:
-            print(f"pdserve: {text}", file=sys.stderr, flush=True)
 
 
 def torch_threads(settings: Settings, replicas: dict[str, int], stage: str = "") -> int:
@@ -237,20 +207,6 @@ def stop_pids(pids: list[int], timeout_s: float = 20.0) -> None:
                 pass
 
 
-def terminate(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
-    """SIGTERM our child processes, then SIGKILL what is left after ``timeout_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    end = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def stop_all(dep: Deployment) -> None:
     """Stop the services, then NATS/Redis we started.
 
@@ -291,7 +247,7 @@ def up(settings: Settings, replicas: dict[str, int], state_dir: Path, ready_time
             raise SystemExit(f"pdserve: already running (see {existing}); run 'pdserve down' first")
     dep = Deployment(settings=settings, state_dir=state_dir, replicas=replicas, quiet=quiet, affinity=affinity or {},
                      nats_nodes=nats_nodes)
-    from engine.model_loader import ensure_model, resolve_device
+    from engine.model.loader import ensure_model, resolve_device
     from shared.model_files import ModelNotAvailable
 
     try:  # PD_DEVICE=cuda without a GPU: refuse here, not in every model worker after the model loads

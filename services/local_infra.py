@@ -10,15 +10,11 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from services.deployment import Deployment, local_binary  # noqa: F401 (local_binary re-exported)
 from shared.config import Settings
-
-if TYPE_CHECKING:
-    from services.launcher import Deployment
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -49,12 +45,6 @@ async def _jetstream_ok(url: str) -> str | None:
         return f"reachable but JetStream is not enabled ({exc})"
     finally:
         await nc.close()
-
-
-def local_binary(name: str) -> str | None:
-    """A binary from this virtual environment's bin folder, else from PATH."""
-    local = Path(sys.executable).parent / name
-    return str(local) if local.exists() else shutil.which(name)
 
 
 def ensure_nats(dep: Deployment) -> None:

@@ -52,7 +52,7 @@ class NatsCluster:
     """
 
     def __init__(self, root: Path, ports: list[tuple[int, int, int]], host: str = "127.0.0.1"):
-        from services.local_infra import local_binary
+        from services.deployment import local_binary
 
         self.binary = local_binary("nats-server")
         if self.binary is None:
@@ -136,7 +136,7 @@ class NatsCluster:
         node.proc = None
 
     def stop(self) -> None:
-        from services.launcher import terminate
+        from services.deployment import terminate
 
         terminate([n.proc for n in self.nodes if n.proc is not None], timeout_s=10)
         for n in self.nodes:

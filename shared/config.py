@@ -16,14 +16,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from shared.config_checks import SettingsError, parse_batch_sizes, parse_cpus, validate_settings  # noqa: F401 (re-exported)
+
 ENV_PREFIX = "PD_"
-
-
-class SettingsError(ValueError):
-    """A ``PD_*`` environment variable holds a value of the wrong type or out of range."""
-
-
-from shared.config_checks import parse_batch_sizes, parse_cpus  # noqa: E402, F401  (re-exported)
 
 
 def _doc(text: str, **kwargs: typing.Any) -> typing.Any:
@@ -330,8 +325,6 @@ class Settings:
 
     def validate(self) -> None:
         """Raises SettingsError on values that cannot work (checks in :mod:`shared.config_checks`)."""
-        from shared.config_checks import validate_settings
-
         validate_settings(self)
 
     def protocol(self):

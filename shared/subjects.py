@@ -117,7 +117,7 @@ class Protocol:
 
     @property
     def stream_lost(self) -> str:
-        """Core NATS broadcast: Progress(request_id="", stage=<stage>) when a worker found the
+        """Core NATS broadcast: WorkQueueLost(stage, stream) when a worker found the
         stage's work-queue stream gone and declared it again: what was queued there is lost,
         and the gateways resubmit their requests that have no text yet."""
         return f"{self.namespace}.control.stream_lost"

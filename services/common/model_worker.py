@@ -12,7 +12,9 @@ from engine.factory import build_engine
 from engine.outputs import StepOutput
 from services.common.engine_loop import EngineLoop
 from services.common.runtime import Worker
-from shared.config import parse_cpus
+from shared.bus import Bus
+from shared.config import Settings, parse_cpus
+from shared.hashing import num_reusable_blocks
 from shared.kv import block_key, open_store
 from shared.messages import Heartbeat, Progress, RequestMeta
 from shared.metrics import kv_metrics, stage_metrics
@@ -23,8 +25,25 @@ PROGRESS_INTERVAL_S = 2.0
 
 
 class ModelWorker(Worker):
-    """Base of PrefillWorker and DecodeWorker. Subclasses implement ``_on_outputs`` and
-    ``_on_step_error`` and may extend ``setup``/``serve``."""
+    """Base of PrefillWorker and DecodeWorker. Subclasses implement ``_on_outputs``,
+    ``_on_step_error`` and ``num_running`` and may extend ``setup``/``serve``."""
+
+    def __init__(self, settings: Settings, bus: Bus | None = None):
+        super().__init__(settings, bus)
+        self.engine_loop: EngineLoop | None = None  # the engine on its own thread, once setup() built it
+
+    @property
+    def num_running(self) -> int:
+        """Requests this worker holds now (the heartbeat's ``num_running``)."""
+        raise NotImplementedError
+
+    def heartbeat_fields(self) -> dict:
+        return {"num_running": self.num_running, "capacity": self.settings.max_num_seqs, **self.engine_heartbeat_fields()}
+
+    async def before_drain(self) -> None:
+        await super().before_drain()
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
 
     async def setup(self) -> None:
         if self.settings.cpu_affinity:
@@ -56,7 +75,7 @@ class ModelWorker(Worker):
         self.spawn(self._progress_loop(), "progress")
 
     def engine_heartbeat_fields(self) -> dict:
-        loop = getattr(self, "engine_loop", None)
+        loop = self.engine_loop
         if loop is None:
             return {}
         return {"prefill_tokens_per_s": round(loop.prefill_tokens_per_s, 1),
@@ -91,7 +110,7 @@ class ModelWorker(Worker):
         prompt tokens imported."""
         if not self.settings.enable_prefix_caching:
             return 0
-        hashes = block_hashes[: (num_prompt_tokens - 1) // self.settings.block_size]
+        hashes = block_hashes[: num_reusable_blocks(num_prompt_tokens, self.settings.block_size)]
         num_local = self.engine.cached_block_hashes(hashes)
         wanted = hashes[num_local:]
         if not wanted:

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import OrderedDict
 
+from services.common.consumer import PullConsumer
 from shared.bus import Bus, NoResponders
 from shared.config import Settings
 from shared.logging import configure_logging, get_logger
@@ -87,6 +88,7 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._probe: ProbeServer | None = None
+        self.consumer: PullConsumer | None = None  # the stage's work queue, once serve() made it
         self.log = get_logger(self.stage)
 
     # --- hooks ------------------------------------------------------------------------------
@@ -100,7 +102,10 @@ class Worker:
         """Drop all work on ``abort.request_id``."""
 
     async def before_drain(self) -> None:
-        """Stop taking work; finish or hand back in-flight work (nak)."""
+        """Stop taking work; finish or hand back in-flight work (nak). The base drains the
+        stage's work-queue consumer, if it has one."""
+        if self.consumer is not None:
+            await self.consumer.drain(self.drain_timeout_s / 2)
 
     def heartbeat_fields(self) -> dict:
         """Extra Heartbeat fields: ``num_running``, ``num_waiting``, ``capacity``, ``inbox``."""

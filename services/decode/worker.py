@@ -36,6 +36,8 @@ from engine.outputs import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main
+from shared.bus import Bus
+from shared.config import Settings
 from shared.errors import EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import block_key
 from shared.messages import (
@@ -76,9 +78,12 @@ class ActiveRequest:
 class DecodeWorker(ModelWorker):
     stage = "decode"
 
+    def __init__(self, settings: Settings, bus: Bus | None = None):
+        super().__init__(settings, bus)
+        self.active: dict[str, ActiveRequest] = {}  # request id → what this worker decodes for it
+
     async def setup(self) -> None:
         await super().setup()
-        self.active: dict[str, ActiveRequest] = {}
         # token streams: running ones, and finished ones kept for resends and replays
         self.streams = SentStreams(MAX_FINISHED_STREAMS, finished_ttl_s=float("inf"))
         self.checking_gateway: set[str] = set()  # requests whose gateway is being asked about
@@ -100,13 +105,9 @@ class DecodeWorker(ModelWorker):
             return 0
         return max(0, slots)
 
-    def heartbeat_fields(self) -> dict:
-        active = getattr(self, "active", {})
-        return {"num_running": len(active), "capacity": self.settings.max_num_seqs, **self.engine_heartbeat_fields()}
-
-    async def before_drain(self) -> None:
-        await self.consumer.drain(self.drain_timeout_s / 2)
-        self.engine_loop.stop()
+    @property
+    def num_running(self) -> int:
+        return len(self.active)
 
     # --- engine callbacks (on the event loop) ---------------------------------------------
     def _on_outputs(self, outputs: list[StepOutput]) -> None:

@@ -12,8 +12,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from services.gateway.tool_models import MAX_TOOLS, ResponseFormat, Tool, ToolCallIn, ToolChoice
-from services.gateway.tools import check_tool_request
+from services.gateway.tools.calls import check_tool_request
+from services.gateway.tools.models import MAX_TOOLS, ResponseFormat, Tool, ToolCallIn, ToolChoice
 from shared.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
@@ -199,7 +199,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    # structured output and tool calling (services/gateway/tools.py)
+    # structured output and tool calling (services/gateway/tools/calls.py)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None

@@ -16,11 +16,11 @@ import msgspec
 from fastapi import Request
 from pydantic import ValidationError
 
-from services.gateway.admission import Admission
-from services.gateway.keys import Tenant
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, validation_error_to_invalid
-from services.gateway.run import Choice
-from services.gateway.tools import plan_chat
+from services.gateway.request_run import Choice
+from services.gateway.tenancy.admission import Admission
+from services.gateway.tenancy.keys import Tenant
+from services.gateway.tools.calls import plan_chat
 from services.tokenizer.prompts import PromptProcessor
 from shared.config import Settings
 from shared.errors import InvalidRequest, ModelNotFound, PayloadTooLarge

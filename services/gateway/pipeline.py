@@ -49,6 +49,8 @@ class PipelineClient:
         self.backlog: dict[str, int] = {}
         self.missing_since: dict[str, float] = {}
         self.resubmitter = Resubmitter(self)
+        self._heartbeat_task: asyncio.Task | None = None  # both started by start()
+        self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         if self.bus is None:
@@ -113,7 +115,7 @@ class PipelineClient:
         if self.is_connected:
             for rid in list(self._routes):
                 await self.abort(rid, "gateway_shutdown")
-        for task in (getattr(self, "_heartbeat_task", None), getattr(self, "_watch_task", None)):
+        for task in (self._heartbeat_task, self._watch_task):
             if task is not None:
                 task.cancel()
         if self.bus is not None and self._owns_bus:

@@ -11,7 +11,7 @@ import time
 import msgspec
 
 from shared.logging import get_logger
-from shared.messages import Message, Progress, TextChunk, TokenizeTask
+from shared.messages import Message, TextChunk, TokenizeTask, WorkQueueLost
 from shared.recovery import RESUBMITTED, work_id
 from shared.timeline import with_mark
 
@@ -50,7 +50,7 @@ class Resubmitter:
 
     async def on_stream_lost(self, message: Message) -> None:
         """Resubmit every request without text (not one resubmitted in the last few seconds)."""
-        if not isinstance(message, Progress) or message.request_id:
+        if not isinstance(message, WorkQueueLost):
             return
         now = time.monotonic()
         waiting = [rid for rid in self.tasks if rid not in self.has_text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from services.gateway.echo import PromptEcho
-from services.gateway.run import Choice, Delta
+from services.gateway.request_run import Choice, Delta
 from shared.messages import OutputLogprob
 
 _json = msgspec.json.Encoder()

@@ -7,7 +7,7 @@ import uuid
 
 import uvicorn
 
-from services.gateway.app import create_app
+from services.gateway.routes import create_app
 from shared.config import Settings
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing

@@ -1,5 +1,5 @@
-"""The gateway's request handling, apart from HTTP routing (``app.py``): admit a parsed
-request, open its :class:`~services.gateway.run.RequestRun` (register → submit → events →
+"""The gateway's request handling, apart from HTTP routing (``routes.py``): admit a parsed
+request, open its :class:`~services.gateway.request_run.RequestRun` (register → submit → events →
 finish or abort) with ``async with``, and render the answer — whole, or as an SSE stream.
 
 A stream fails before its first byte when it can: the run is entered and the prompt accepted
@@ -20,22 +20,23 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.gateway.admission import Admission, Ticket
+from services.common.model import servable_model_folder
 from services.gateway.echo import PromptEcho
-from services.gateway.keys import Tenant
 from services.gateway.openai_models import DetokenizeRequest, TokenizeRequest
 from services.gateway.parse import ChoiceBuilder
 from services.gateway.pipeline import PipelineClient
+from services.gateway.request_run import Choice, RequestRun
 from services.gateway.responses import Responses, sse
-from services.gateway.run import Choice, RequestRun
+from services.gateway.tenancy.admission import Admission, Ticket
+from services.gateway.tenancy.keys import Tenant
 from services.gateway.timelines import Timeline
-from services.gateway.tool_responses import responses_for
+from services.gateway.tools.responses import responses_for
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from shared.config import Settings
 from shared.errors import Aborted, Overloaded, PdError, ServiceUnavailable
 from shared.logging import get_logger
 from shared.metrics import gateway_metrics
-from shared.model_files import load_tokenizer, model_folder, served_model_name
+from shared.model_files import load_tokenizer, served_model_name
 from shared.timeline import now_mark
 from shared.tracing import start_span
 
@@ -67,7 +68,7 @@ class Gateway:
 
     def load_model(self) -> None:
         """Model limits (vocabulary, context) and the tokenizer (for /tokenize and echo)."""
-        folder = model_folder(self.settings)
+        folder = servable_model_folder(self.settings)
         self.vocab_size, self.max_model_len = model_limits(folder, self.settings.max_model_len)
         self.prompts = PromptProcessor(load_tokenizer(folder), self.vocab_size, self.max_model_len)
         self.choices = ChoiceBuilder(self.settings, self.model_name, self.client.inbox, self.prompts)

@@ -29,9 +29,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from services.common.model import servable_model_folder
 from services.common.runtime import RecentSet, Worker, main
 from services.plugins.api import TextFilter, load_class, refs
 from services.postfilter.text import Detokenizer, StopMatcher, TokenText
+from shared.bus import Bus
+from shared.config import Settings
 from shared.errors import PoisonMessage
 from shared.messages import (
     Abort,
@@ -50,7 +53,7 @@ from shared.messages import (
     decode_as,
 )
 from shared.metrics import stage_metrics
-from shared.model_files import load_tokenizer, model_folder
+from shared.model_files import load_tokenizer
 from shared.streams import TOKEN_POLICY, Ready, SentStreams, StreamGap, StreamReceiver, StreamSender
 from shared.timeline import now_mark
 from shared.tracing import start_span
@@ -84,8 +87,13 @@ class RequestState:
 class PostfilterWorker(Worker):
     stage = "postfilter"
 
+    def __init__(self, settings: Settings, bus: Bus | None = None):
+        super().__init__(settings, bus)
+        self.states: dict[str, RequestState] = {}  # open requests' detokenizer and stop-string state
+        self.inbox = self.protocol.postfilter_inbox(self.instance_id)
+
     async def setup(self) -> None:
-        folder = await asyncio.to_thread(model_folder, self.settings)
+        folder = await asyncio.to_thread(servable_model_folder, self.settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         self.tokenizer = tokenizer.backend_tokenizer
         self.token_text = TokenText(self.tokenizer)
@@ -95,10 +103,8 @@ class PostfilterWorker(Worker):
             if not issubclass(cls, TextFilter):
                 raise SystemExit(f"{ref} is not a TextFilter")
             self.text_filters.append(cls(self.settings))
-        self.states: dict[str, RequestState] = {}
         self.texts = SentStreams(MAX_DONE_STATES, DONE_STATE_TTL_S)
         self.finished = RecentSet(ttl_s=600.0)
-        self.inbox = self.protocol.postfilter_inbox(self.instance_id)
         self.metrics = stage_metrics(self.stage)
 
     async def serve(self) -> None:
@@ -138,7 +144,7 @@ class PostfilterWorker(Worker):
         return state
 
     def heartbeat_fields(self) -> dict:
-        return {"inbox": getattr(self, "inbox", ""), "num_running": len(getattr(self, "states", {}))}
+        return {"inbox": self.inbox, "num_running": len(self.states)}
 
     async def on_abort(self, abort: Abort) -> None:
         if self.states.pop(abort.request_id, None) is not None:

@@ -31,6 +31,8 @@ from engine.outputs import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main
+from shared.bus import Bus
+from shared.config import Settings
 from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import BLOCK, TAIL, block_key, tail_key
 from shared.kv.layout import KVHandle
@@ -84,10 +86,13 @@ class KVStager:
 class PrefillWorker(ModelWorker):
     stage = "prefill"
 
+    def __init__(self, settings: Settings, bus: Bus | None = None):
+        super().__init__(settings, bus)
+        self.pending: dict[str, asyncio.Future] = {}  # request id → its prefill's outcome
+
     async def setup(self) -> None:
         await super().setup()
         self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s)
-        self.pending: dict[str, asyncio.Future] = {}
 
     async def serve(self) -> None:
         await super().serve()
@@ -99,13 +104,9 @@ class PrefillWorker(ModelWorker):
         self.spawn(self.consumer.keepalive(), "keepalive")
         self.spawn(self._reap_loop(), "reap")
 
-    def heartbeat_fields(self) -> dict:
-        pending = getattr(self, "pending", {})
-        return {"num_running": len(pending), "capacity": self.settings.max_num_seqs, **self.engine_heartbeat_fields()}
-
-    async def before_drain(self) -> None:
-        await self.consumer.drain(self.drain_timeout_s / 2)
-        self.engine_loop.stop()
+    @property
+    def num_running(self) -> int:
+        return len(self.pending)
 
     async def _reap_loop(self) -> None:
         """Free expired (abandoned) staged KV, and report what is staged."""

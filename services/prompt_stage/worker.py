@@ -49,11 +49,8 @@ class StageWorker(Worker):
         self.spawn(self.consumer.keepalive(), "keepalive")
 
     def heartbeat_fields(self) -> dict:
-        consumer = getattr(self, "consumer", None)
+        consumer = self.consumer
         return {"num_running": len(consumer.in_flight) if consumer else 0, "capacity": self.concurrency}
-
-    async def before_drain(self) -> None:
-        await self.consumer.drain(self.drain_timeout_s / 2)
 
     async def handle(self, item: WorkItem) -> str | None:
         task: TokenizeTask = item.message  # type: ignore[assignment]

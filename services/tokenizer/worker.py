@@ -22,14 +22,15 @@ import asyncio
 import msgspec
 
 from services.common.consumer import PullConsumer, WorkItem
+from services.common.model import servable_model_folder
 from services.common.runtime import Worker, main
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from services.tokenizer.router import Router
-from shared.hashing import block_hashes, hash_extra
+from shared.hashing import block_hashes, hash_extra, num_reusable_blocks
 from shared.kv import block_key, open_store
 from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
 from shared.metrics import router_metrics
-from shared.model_files import load_tokenizer, model_folder
+from shared.model_files import load_tokenizer
 from shared.recovery import work_id
 from shared.registry import WorkerRegistry
 from shared.timeline import with_mark
@@ -40,7 +41,7 @@ class TokenizerWorker(Worker):
     stage = "tokenizer"
 
     async def setup(self) -> None:
-        folder = await asyncio.to_thread(model_folder, self.settings)
+        folder = await asyncio.to_thread(servable_model_folder, self.settings)
         tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         vocab, max_len = model_limits(folder, self.settings.max_model_len)
         self.processor = PromptProcessor(tokenizer, vocab, max_len)
@@ -63,11 +64,8 @@ class TokenizerWorker(Worker):
         self.spawn(self.consumer.keepalive(), "keepalive")
 
     def heartbeat_fields(self) -> dict:
-        consumer = getattr(self, "consumer", None)
+        consumer = self.consumer
         return {"num_running": len(consumer.in_flight) if consumer else 0, "capacity": self.settings.tokenizer_concurrency}
-
-    async def before_drain(self) -> None:
-        await self.consumer.drain(self.drain_timeout_s / 2)
 
     async def handle(self, item: WorkItem) -> str | None:
         task: TokenizeTask = item.message  # type: ignore[assignment]
@@ -118,7 +116,7 @@ class TokenizerWorker(Worker):
     async def _staged_prefix_tokens(self, hashes: list[bytes], num_tokens: int, workers) -> int:
         """Leading prompt tokens whose blocks are already in the KV store (either path reuses them)."""
         dtype = next((h.kv_dtype for h in workers if h.kv_dtype), "")
-        usable = hashes[: (num_tokens - 1) // self.settings.block_size]
+        usable = hashes[: num_reusable_blocks(num_tokens, self.settings.block_size)]
         if not usable or not dtype or self.store is None:
             return 0
         try:

@@ -45,7 +45,7 @@ def test_converted_weights_and_config_equal_the_gguf():
     import gguf
     from safetensors import safe_open
 
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from shared.config import Settings
 
     folder = ensure_model(Settings.from_env({}))
@@ -106,7 +106,7 @@ def test_converted_model_logits_equal_a_forward_pass_straight_from_the_gguf():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from shared.config import Settings
 
     folder = ensure_model(Settings.from_env({}))

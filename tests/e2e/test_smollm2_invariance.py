@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 
 def test_smollm2_same_request_same_tokens_in_the_default_dtype(tmp_path, nats_url):
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from shared.config import Settings
 
     folder = ensure_model(Settings.from_env({}))  # the default cache folder, shared with `make run`

@@ -19,7 +19,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory, nats_url, redis_url):
-    from engine.model_loader import ensure_model
+    from engine.model.loader import ensure_model
     from shared.config import Settings
 
     folder = ensure_model(Settings.from_env({}))  # the default cache folder, shared with `make run`

@@ -13,7 +13,7 @@ import pytest
 
 from loadtest.infra import NatsServer
 from shared.config import Settings
-from shared.messages import Progress, RequestMeta, SamplingParams, TokenizeTask
+from shared.messages import RequestMeta, SamplingParams, TokenizeTask, WorkQueueLost
 from shared.nats_bus import NatsBus, subscribe_messages
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +81,7 @@ def test_a_stream_found_missing_is_declared_again_and_reported_lost(nats_url, na
 
     reports, info = asyncio.run(go())
     assert info.config.name == queue.stream
-    assert [(type(m), m.stage) for m in reports] == [(Progress, "prefill")]
+    assert [(type(m), m.stage, m.stream) for m in reports] == [(WorkQueueLost, "prefill", queue.stream)]
 
 
 def test_a_cluster_keeps_its_replicated_queue_through_the_meta_leader_death(tmp_path, namespace):

@@ -171,6 +171,6 @@ def token_bytes(tok, token_id: int) -> bytes:
 
 
 def _native_bf16() -> bool:
-    from engine.model_loader import cpu_has_native_bf16
+    from engine.model.loader import cpu_has_native_bf16
 
     return cpu_has_native_bf16()

@@ -1,6 +1,6 @@
 """`pdserve profile` on the tiny model, and the simulator's agreement with the real system:
 the modes benchmark's disaggregated deployment and its simulated twin, in one run, the twin's
-costs corrected by the run's own engine steps (loadtest/sim/validate.py and calibrate.py, the
+costs corrected by the run's own engine steps (loadtest/sim_validate.py and calibrate.py, the
 small version of the validation table).
 
 The agreement check is a model check, not a timed assert: both sides run on the same machine at
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from loadtest.sim import validate
-from loadtest.sim.measure import main as profile_main
-from loadtest.sim.profile import Profile
+from loadtest import sim_validate as validate
+from sim.measure import main as profile_main
+from sim.profile import Profile
 
 # the tiny model's TTFT is nearly all pipeline (five processes' hops, ~1 ms of model); the twin
 # takes that latency from an idle probe just before the run, and at load average ~9 the probe

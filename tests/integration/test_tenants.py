@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from services import launcher
-from services.gateway.keys import hash_key
+from services.gateway.tenancy.keys import hash_key
 from tests.pipeline_fixture import deployment, free_port
 
 MAX_TOKENS = 8

@@ -1,4 +1,4 @@
-"""Batch-invariant numerics (PD_BATCH_INVARIANT, engine.batch_invariant) on the tiny model in
+"""Batch-invariant numerics (PD_BATCH_INVARIANT, engine.model.batch_invariant) on the tiny model in
 bfloat16 (the default dtype on a CPU with native bf16): a request's tokens, and the logits they
 were sampled from, are bit-identical whatever else is in the batch, with or without a prefix
 hit, chunked or not, and when resumed from its tokens on another engine. The reference of each
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import engine.model_runner as model_runner
-from engine import fused_decode
-from engine.batch_invariant import invariant_linear
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.quant import BlockLinear, bf16_dot_available
+from engine.model import fused_decode
+from engine.model.batch_invariant import invariant_linear
+from engine.model.quant import BlockLinear, bf16_dot_available
 from shared.messages import SamplingParams
 
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
@@ -39,8 +39,8 @@ def bf16_model(request, tiny_model_dir):
     with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.model.weights import quantize_float
     from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
-    from engine.weights import quantize_float
 
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
@@ -134,8 +134,8 @@ def test_linear_rows_do_not_depend_on_neighbours():
 def test_float32_linear_rows_do_not_depend_on_neighbours_and_match_torch():
     """float32 linears go through the block kernel's per-row loops (no padding): a row's bits
     at any position and row count, K and N not multiples of the tile, close to torch."""
-    from engine.batch_invariant import float32_linear
-    from engine.quant import _kernel
+    from engine.model.batch_invariant import float32_linear
+    from engine.model.quant import _kernel
 
     ext = _kernel()
     if ext is None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
 from engine.engine import LLMEngine, eos_ids_of
+from engine.model.cuda_graphs import DecodeGraphs
 from kernels import attention as ref
 from shared.messages import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The fused decode step (engine/fused_decode.py): same logits as the unfused quantized layers,
+"""The fused decode step (engine/model/fused_decode.py): same logits as the unfused quantized layers,
 each token's result independent of the rest of the batch, and the unfused fallback."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import kernels
-from engine import fused_decode
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, eos_ids_of
 from engine.kv_cache import PagedKVCache
+from engine.model import fused_decode
+from engine.model.weights import quantize_float
 from engine.model_runner import AttentionMetadata
-from engine.weights import quantize_float
 from shared.messages import SamplingParams
 
 pytestmark = pytest.mark.skipif(not fused_decode.kernel_available(), reason="no AVX2/FMA CPU")
@@ -60,7 +60,7 @@ def test_fused_step_matches_unfused_and_each_row_is_independent(tiny_model, qtyp
     """int8: the unfused layers use the same int8-activation kernel (set_block_dot), so the two
     differ where a float32 rounding of RMSNorm, RoPE or SiLU moves an activation across an int8
     rounding boundary: a looser tolerance, the same argmax."""
-    from engine.quant import set_block_dot
+    from engine.model.quant import set_block_dot
 
     model = quantized(tiny_model[0], qtype)
     set_block_dot(model, dot)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from services.gateway.app import create_app
+from services.gateway.routes import create_app
 from shared.config import Settings
 from shared.messages import Accepted, ErrorEvent, TextChunk, TokenizeTask, Usage
 from shared.registry import WorkerRegistry
@@ -393,7 +393,7 @@ def test_a_stage_unheard_for_a_moment_delays_a_request_instead_of_refusing_it(ti
     partition run). Now they wait (as for a reconnect, at most RECONNECT_WAIT_S) while the
     stage has been missing for less than stage_down_grace_s, and are served once it is back;
     one missing for longer is still refused at once."""
-    import services.gateway.app as app_module
+    import services.gateway.routes as app_module
 
     s = Settings.from_env({}, model=str(tiny_model_dir), stall_timeout_s=2.0, first_token_timeout_s=2.0,
                           rate_limit_store="local")

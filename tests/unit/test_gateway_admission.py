@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.gateway.keys import hash_key
 from services.gateway.openai_models import TokenizeRequest
+from services.gateway.tenancy.keys import hash_key
 from tests.unit.test_gateway import BODY, client_for, make, run, texts
 
 

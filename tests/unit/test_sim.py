@@ -1,4 +1,4 @@
-"""The simulator (loadtest/sim): bulk decode segments give the same timings as single steps,
+"""The simulator (sim): bulk decode segments give the same timings as single steps,
 a lone request's latencies match the profile's arithmetic, queueing, preemption, the
 conditional router's split, the planner's minimality and its k8s overlay."""
 
@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from loadtest.sim import trace
-from loadtest.sim.metrics import weighted_percentiles
-from loadtest.sim.plan import emit_k8s, plan
-from loadtest.sim.profile import CostModel, Profile
-from loadtest.sim.simulator import Simulation, Topology, simulate
+from sim import trace
+from sim.metrics import weighted_percentiles
+from sim.plan import emit_k8s, plan
+from sim.profile import CostModel, Profile
+from sim.simulator import Simulation, Topology, simulate
 
 
 def _profile(**kw) -> Profile:
@@ -160,9 +160,9 @@ def test_unknown_mode():
 def test_plan_and_simulate_commands(tmp_path, capsys):
     from pathlib import Path
 
-    from loadtest.sim import plan as plan_cmd
-    from loadtest.sim import run as run_cmd
     from services.cli import external_commands
+    from sim import plan as plan_cmd
+    from sim import run as run_cmd
 
     assert {"profile", "plan", "simulate"} <= set(external_commands())
     prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")

@@ -1,4 +1,4 @@
-"""Calibration on a run's own engine steps (loadtest/sim/calibrate.py): step logs written by a
+"""Calibration on a run's own engine steps (sim/calibrate.py): step logs written by a
 known machine — the profile's costs × known ratios, a co-run slowdown, a loop gap and a jitter —
 give those figures back; the engine's step record describes what it computed; a jittered
 replay spreads the inter-token gaps around the same mean."""
@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest.sim import calibrate, trace
-from loadtest.sim.profile import CostModel
-from loadtest.sim.simulator import Topology, simulate
+from sim import calibrate, trace
+from sim.profile import CostModel
+from sim.simulator import Topology, simulate
 from tests.unit.test_sim import _profile
 
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SLIM_MODULES = [
-    "services.gateway.app",
+    "services.gateway.routes",
     "services.gateway.server",
     "services.tokenizer.worker",
     "services.postfilter.worker",

@@ -11,8 +11,8 @@ import signal
 import pytest
 from prometheus_client import REGISTRY
 
-from services.gateway.keys import group_salt, hash_key, parse_keys_file
 from services.gateway.openai_models import TokenizeRequest
+from services.gateway.tenancy.keys import group_salt, hash_key, parse_keys_file
 from shared.config import Settings, SettingsError
 from shared.messages import Accepted
 from tests.pipeline_fixture import free_port
@@ -232,7 +232,7 @@ def test_three_gateways_give_a_key_its_limit_once_with_redis_and_three_times_alo
 
 
 def test_a_missing_or_invalid_keys_file_stops_the_gateway_at_start(tmp_path):
-    from services.gateway.keys import KeyRing
+    from services.gateway.tenancy.keys import KeyRing
 
     with pytest.raises(SettingsError, match="PD_KEYS_FILE"):
         KeyRing(Settings.from_env({}, keys_file=str(tmp_path / "nope.yaml")))

@@ -11,9 +11,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoTokenizer
 
 from services.gateway.openai_models import ChatCompletionRequest
-from services.gateway.run import Choice, Delta
-from services.gateway.tool_responses import responses_for
-from services.gateway.tools import may_become_call, parse_tool_calls, plan_chat
+from services.gateway.request_run import Choice, Delta
+from services.gateway.tools.calls import may_become_call, parse_tool_calls, plan_chat
+from services.gateway.tools.responses import responses_for
 from shared.errors import InvalidRequest
 from shared.messages import RequestMeta, SamplingParams, TokenizeTask
 

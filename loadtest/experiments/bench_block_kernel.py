@@ -1,0 +1,78 @@
+"""Single-thread GFLOP/s of the GGUF block kernel (``kernels/cpu/quant_block.h``): its float32
+loops against its int8-activation loops (``int8=True``, ``PD_BLOCK_DOT=int8``) and its bf16
+dot-product loops (``bf16=True``, AVX512-BF16 only), interleaved in one run (ratios are what
+counts on a shared machine), per shape, row count and block type.
+
+``python -m loadtest.experiments.bench_block_kernel [--rows 1,4,16,64] [--repeats 7] [--calls 30]``
+
+Each cell is the minimum over ``repeats`` rounds of the mean time of ``calls`` calls; within a
+round the two paths run back to back. FLOPs are ``2 M N K``. Prints the load average before
+and after. Without AVX512-BF16 the bf16 column is left out (stated in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+SHAPES = [(1536, 576), (576, 1536)]  # (N out, K in): SmolLM2-135M's MLP up and down
+
+
+def _layer(bits: int, n: int, k: int, gen: torch.Generator):
+    """Random blocks: codes, d, m as the kernel takes them."""
+    codes = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), generator=gen, dtype=torch.uint8)
+    if bits == 8:
+        codes = codes.view(torch.int8)
+    d = torch.rand(n, k // 32, generator=gen) * 0.02
+    m = -8 * d if bits == 4 else torch.empty(0)
+    return codes, d, m
+
+
+def _load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.bench_block_kernel")
+    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    from kernels.cpu import quant
+
+    torch.set_num_threads(args.threads)
+    ext = quant.load()
+    paths = ["float32", "int8", "bf16"] if ext.has_bf16 else ["float32", "int8"]
+    print(f"isa {ext.isa}, bf16 dot products: {'yes' if ext.has_bf16 else 'NO (this CPU lacks AVX512-BF16)'}, "
+          f"{args.threads} thread(s), load average {_load()}")
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'shape':>10} {'type':>5} {'rows':>4}  " + "  ".join(f"{b:>8}" for b in paths)
+          + "  " + "  ".join(f"{b + '/float32':>13}" for b in paths[1:]))
+    for n, k in SHAPES:
+        for qtype, bits in (("Q4_1", 4), ("Q8_0", 8)):
+            codes, d, m = _layer(bits, n, k, gen)
+            kernel = ext.q4_linear if bits == 4 else ext.q8_linear
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k, generator=gen)
+                best = {b: float("inf") for b in paths}
+                for _ in range(args.repeats):
+                    for b in paths:
+                        kw = {b: True} if b != "float32" else {}
+                        kernel(x, codes, d, m, **kw)
+                        t0 = time.perf_counter()
+                        for _ in range(args.calls):
+                            kernel(x, codes, d, m, **kw)
+                        best[b] = min(best[b], (time.perf_counter() - t0) / args.calls)
+                rates = {b: 2 * rows * n * k / best[b] / 1e9 for b in paths}
+                ratio = "  " + "  ".join(f"{rates[b] / rates['float32']:12.2f}x" for b in paths[1:])
+                print(f"{n:>4}x{k:<5} {qtype:>5} {rows:>4}  " + "  ".join(f"{rates[b]:8.1f}" for b in paths) + ratio)
+    print(f"load average {_load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""``pdserve plan``: the fewest model workers that meet a TTFT and an ITL SLO for a trace at a
+given load, found by simulating candidate topologies (:mod:`sim.simulator`).
+
+``pdserve plan --profile FILE --trace azure-conv --rate 20 --slo-ttft 2 --slo-itl 0.1
+[--requests N] [--percentile 90] [--modes aggregated,disaggregated,conditional]
+[--max-workers 64] [--emit k8s --out DIR]``
+
+Search: for each worker count ``N`` from a lower bound (the trace's compute demand over one
+worker's capacity) upwards, simulate aggregated ×N and, for the split modes, the prefill
+shares ``P`` next to the trace's prefill share of compute (``P`` ∈ {⌊fN⌋−1 … ⌈fN⌉+1}). The
+first ``N`` where a candidate meets both SLOs at the chosen percentile wins; among its
+candidates the lowest ITL wins (ties: aggregated, then conditional). Dynamo's SLA planner
+sizes prefill and decode separately from the same two interpolations
+(NVIDIA Dynamo, ``docs/architecture/sla_planner.md``); here the split is searched with the
+whole pipeline simulated, so queueing, KV hand-offs and the conditional router count.
+
+``--emit k8s`` writes a kustomize overlay of ``infra/k8s``: the replica counts, the routing
+settings and KEDA ScaledObjects whose ``minReplicaCount`` holds the plan and whose
+``lagThreshold`` is the work one worker clears within the TTFT SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from sim import trace as traces
+from sim.profile import CostModel, Profile
+from sim.simulator import Topology, simulate
+from sim.trace import Scaling
+
+
+def load_trace(name: str, n: int, max_prompt: int, max_output: int, rate: float = 0.0, seed: int = 0):
+    """``azure-conv``, ``azure-code``, ``mooncake`` or ``poisson:LEN:W,LEN:W`` as
+    :class:`~sim.trace.SimRequest` s; arrivals rescaled to ``rate`` req/s when given.
+
+    Raises:
+        ValueError: an unknown trace name.
+    """
+    sc = Scaling(1.0, max_prompt, max_output, block_tokens=64)
+    if name in ("azure-conv", "azure-code"):
+        reqs = traces.azure(f"azure2023_{name.split('-')[1]}.csv", n, sc)
+    elif name == "mooncake":
+        reqs = traces.mooncake("mooncake_conversation.jsonl", n, sc)
+    elif name.startswith("poisson"):
+        mix = [(int(a), float(b)) for a, b in (x.split(":") for x in (name.partition(":")[2] or "128:0.8,1024:0.2").split(","))]
+        return traces.synthetic(n, rate or 1.0, mix, max_output, seed=seed)
+    else:
+        raise ValueError(f"unknown trace {name!r} (azure-conv, azure-code, mooncake, poisson:LEN:W,...)")
+    return traces.rescale(reqs, rate) if rate else reqs
+
+
+def prefill_share(reqs, cost: CostModel, batch: int = 32) -> float:
+    """Fraction of the trace's compute that is prefill (decode counted at batch ``batch``)."""
+    pre = sum(cost.prefill_whole(r.prompt_tokens) for r in reqs)
+    dec = sum(r.max_tokens * cost.decode_step(batch, batch * 600) / batch for r in reqs)
+    return pre / max(pre + dec, 1e-12)
+
+
+def lower_bound(reqs, cost: CostModel, batch: int = 32) -> int:
+    if len(reqs) < 2:
+        return 1
+    span = max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
+    pre = sum(cost.prefill_whole(r.prompt_tokens) for r in reqs)
+    dec = sum(r.max_tokens * cost.decode_step(batch, batch * 600) / batch for r in reqs)
+    return max(1, math.floor((pre + dec) / span))
+
+
+def candidates(n: int, share: float, modes: list[str], base: dict) -> list[Topology]:
+    out = []
+    if "aggregated" in modes:
+        out.append(Topology(mode="aggregated", workers=n, **base))
+    if n >= 2:
+        ps = sorted({p for p in (math.floor(share * n) - 1, math.floor(share * n), math.ceil(share * n),
+                                 math.ceil(share * n) + 1) if 1 <= p <= n - 1})
+        for mode in ("conditional", "disaggregated"):
+            if mode in modes:
+                out += [Topology(mode=mode, prefill=p, decode=n - p, **base) for p in ps]
+    return out
+
+
+def plan(reqs, profile: Profile, slo_ttft: float, slo_itl: float, *, percentile: int = 90, max_workers: int = 64,
+         modes=("aggregated", "disaggregated", "conditional"), base: dict | None = None, say=print) -> dict:
+    """Search (see module doc). Returns {"best": (Topology, summary) or None, "tried": [...]}."""
+    cost = CostModel(profile)
+    share = prefill_share(reqs, cost)
+    base = base or {}
+    key = f"p{percentile}"
+    tried = []
+    n = lower_bound(reqs, cost)
+    while n <= max_workers:
+        ok = []
+        for topo in candidates(n, share, list(modes), base):
+            s = simulate(reqs, topo, profile, slo_ttft, slo_itl)
+            meets = s["ttft"][key] is not None and s["ttft"][key] <= slo_ttft and s["itl"][key] <= slo_itl
+            tried.append((topo, s, meets))
+            say(f"plan: {topo.label():28s} TTFT {key} {s['ttft'][key]:8.3f}s  ITL {key} {s['itl'][key] * 1e3:8.1f}ms"
+                f"  {'meets' if meets else '-'}")
+            if meets:
+                ok.append((topo, s))
+        if ok:
+            order = {"aggregated": 0, "conditional": 1, "disaggregated": 2}
+            best = min(ok, key=lambda ts: (round(ts[1]["itl"][key], 4), order[ts[0].mode]))
+            return {"best": best, "tried": tried, "prefill_share": share}
+        # grow fast while far from the SLOs, then one at a time
+        worst = max((s["ttft"][key] or 1e9) / slo_ttft for _, s, _ in tried[-len(candidates(n, share, list(modes), base)):])
+        n = n + max(1, int(n * 0.5)) if worst > 20 else n + 1
+    return {"best": None, "tried": tried, "prefill_share": share}
+
+
+def emit_k8s(out: Path, topo: Topology, summary: dict, reqs, profile: Profile, slo_ttft: float) -> list[Path]:
+    """Write a kustomize overlay of ``infra/k8s`` for ``topo`` into ``out`` (see module doc)."""
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parents[2] / "infra" / "k8s"
+    rel = os.path.relpath(root, out.resolve())
+    cost = CostModel(profile)
+    mean_prompt = sum(r.prompt_tokens for r in reqs) / max(1, len(reqs))
+    prefill_per_slo = max(1, int(slo_ttft / max(cost.prefill(int(mean_prompt)), 1e-9)))
+    if topo.mode == "aggregated":
+        prefill, decode, routing = 0, topo.workers, "aggregated"
+    else:
+        prefill, decode, routing = topo.prefill, topo.decode, topo.mode
+    decode_lag = prefill_per_slo if topo.mode == "aggregated" else max(1, topo.max_num_seqs // 8)
+    reps = {"prefill": prefill, "decode": decode}
+    lines = ["# written by `pdserve plan --emit k8s`: " + topo.label(),
+             f"# predicted: TTFT p90 {summary['ttft']['p90']:.3f}s, ITL p90 {summary['itl']['p90'] * 1e3:.1f}ms,"
+             f" goodput {summary['goodput_rps']:.2f} req/s (profile {profile.name})",
+             "apiVersion: kustomize.config.k8s.io/v1beta1", "kind: Kustomization",
+             "resources:", f"  - {rel}", "replicas:"]
+    lines += [f"  - name: {k}\n    count: {v}" for k, v in reps.items()]
+    lines += ["patches:", "  - path: config-patch.yaml", "  - path: keda-patch.yaml"]
+    files = {"kustomization.yaml": "\n".join(lines) + "\n"}
+    files["config-patch.yaml"] = (
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: pdserve-config\n  namespace: pdserve\ndata:\n"
+        f"  PD_ROUTING: {routing}\n  PD_ROUTER_LOCAL_MAX_TOKENS: \"{topo.local_max_tokens}\"\n"
+        f"  PD_MAX_NUM_SEQS: \"{topo.max_num_seqs}\"\n  PD_MAX_NUM_BATCHED_TOKENS: \"{topo.max_num_batched_tokens}\"\n"
+        f"  PD_MAX_PREFILL_CHUNK_TOKENS: \"{topo.max_prefill_chunk_tokens}\"\n")
+    keda = []
+    for name, count, lag in (("prefill", prefill, prefill_per_slo), ("decode", decode, decode_lag)):
+        keda.append(f"apiVersion: keda.sh/v1alpha1\nkind: ScaledObject\nmetadata:\n  name: {name}\n  namespace: pdserve\n"
+                    f"spec:\n  minReplicaCount: {count}\n  maxReplicaCount: {max(count * 2, 1)}\n  triggers:\n"
+                    f"  - type: nats-jetstream\n    metadata:\n      natsServerMonitoringEndpoint: "
+                    f"nats.pdserve.svc.cluster.local:8222\n      account: $G\n"
+                    f"      stream: PD_{name.upper()}_TASKS\n      consumer: {name}-workers\n      lagThreshold: '{lag}'\n")
+    files["keda-patch.yaml"] = "---\n".join(keda)
+    written = []
+    for fname, text in files.items():
+        (out / fname).write_text(text)
+        written.append(out / fname)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", required=True, help="a profile file (pdserve profile, docs/profiles/)")
+    p.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake, poisson:LEN:W,...")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--rate", type=float, default=0.0, help="req/s (default: the trace's own arrivals)")
+    p.add_argument("--slo-ttft", type=float, required=True, help="seconds")
+    p.add_argument("--slo-itl", type=float, required=True, help="seconds")
+    p.add_argument("--percentile", type=int, default=90, choices=(50, 90, 99))
+    p.add_argument("--modes", default="aggregated,disaggregated,conditional")
+    p.add_argument("--max-workers", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=0, help="aggregated: PD_MAX_PREFILL_CHUNK_TOKENS")
+    p.add_argument("--local-max-tokens", type=int, default=256, help="conditional: PD_ROUTER_LOCAL_MAX_TOKENS")
+    p.add_argument("--max-prompt", type=int, default=8192)
+    p.add_argument("--max-output", type=int, default=2048)
+    p.add_argument("--emit", choices=("k8s",), default=None)
+    p.add_argument("--out", default="plan-k8s", help="--emit k8s: the overlay folder")
+    args = p.parse_args(argv or [])
+    try:
+        profile = Profile.load(args.profile)
+        reqs = load_trace(args.trace, args.requests, args.max_prompt, args.max_output, args.rate)
+    except (OSError, ValueError) as exc:
+        print(f"pdserve plan: {exc}")
+        return 2
+    base = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_chunk_tokens=args.chunk, local_max_tokens=args.local_max_tokens)
+    res = plan(reqs, profile, args.slo_ttft, args.slo_itl, percentile=args.percentile, max_workers=args.max_workers,
+               modes=args.modes.split(","), base=base)
+    if res["best"] is None:
+        print(f"pdserve plan: no topology up to {args.max_workers} workers meets the SLOs")
+        return 1
+    topo, s = res["best"]
+    k = f"p{args.percentile}"
+    print(f"\nplan: {topo.label()} — {topo.num_workers} workers for {args.trace} at "
+          f"{len(reqs) / max(reqs[-1].arrival_s, 1e-9):.2f} req/s (profile {profile.name})")
+    for m in ("ttft", "itl", "tpot", "e2e"):
+        print(f"  {m.upper():5s} p50 {s[m]['p50']:.4f}s  p90 {s[m]['p90']:.4f}s  p99 {s[m]['p99']:.4f}s")
+    print(f"  goodput {s['goodput_rps']:.2f} req/s, SLO attainment {s['slo_attainment'] * 100:.1f}% ({k} SLOs: TTFT ≤ "
+          f"{args.slo_ttft}s, ITL ≤ {args.slo_itl}s); prefill share of compute {res['prefill_share']:.2f}")
+    if args.emit == "k8s":
+        for path in emit_k8s(Path(args.out), topo, s, reqs, profile, args.slo_ttft):
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,243 @@
+"""The cost profile the simulator runs on: what one engine step, one KV hand-off, one bus hop
+and the per-token pipeline work cost on one machine and model, in seconds.
+
+A profile is a JSON file (``version`` :data:`VERSION`) written by ``pdserve profile``
+(:mod:`sim.measure`, measured with the engine's own code paths) or by hand from
+published figures (``docs/profiles/``; every such number carries its source in ``sources``).
+
+Step-time model (the shape Vidur and Dynamo's SLA planner interpolate, Agrawal et al. 2024;
+NVIDIA Dynamo ``docs/architecture/sla_planner.md``):
+
+* prefill chunk of ``n`` tokens after ``c`` already computed ones:
+  ``prefill(n) + prefill_attn_s * n * c`` — ``prefill(n)`` interpolated (piecewise linear) in
+  the measured ``prefill_tokens``/``prefill_s`` table at empty context;
+* decode step of ``B`` sequences holding ``C`` context tokens in all:
+  ``decode(B) + decode_ctx_s * C`` — ``decode(B)`` interpolated in ``decode_batch``/``decode_s``;
+* several prompts' chunks in one step: one forward over their ``N = Σ n`` tokens,
+  ``prefill(N)`` less the self-attention between different chunks the table's ``N``-token
+  prompt had (``prefill_attn_s · (N² − Σ n²) / 2``), plus each chunk's attention to its own
+  context (the engine batches the chunks into one model call; their cost is not a sum of
+  one-prompt steps);
+* a mixed step (chunked prefill beside decodes): ``prefill(...) + decode(B) − step_fixed_s``
+  (the fixed per-step cost — weights read once, Python overhead — is paid once).
+
+The interpolations are tabulated once per integer argument (:meth:`CostModel.decode_step`
+is a list lookup), since the simulator asks for them millions of times.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+VERSION = 1
+
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """Running maximum of a cost table: a step never gets cheaper with more tokens or sequences
+    (removes noise dips from measured or calibrated tables)."""
+    out, m = [], 0.0
+    for y in ys:
+        m = max(m, y)
+        out.append(m)
+    return out
+
+@dataclass
+class Profile:
+    """Measured (or cited) costs of one worker class. Times in seconds, sizes in bytes/tokens.
+
+    Attributes:
+        name: short label (``this-machine-smollm2``, ``a100-llama13b``...).
+        measured: True when ``pdserve profile`` measured it; False for a cited profile.
+        machine, model, dtype: what it describes.
+        prefill_tokens, prefill_s: prefill step time by chunk tokens (empty context), ascending.
+        prefill_attn_s: extra seconds per (chunk token × already computed context token).
+        decode_batch, decode_s: decode step time by batch size (short contexts), ascending.
+        decode_ctx_s: extra decode step seconds per context token held by the batch.
+        step_fixed_s: per-step cost independent of tokens (paid once by a mixed step).
+        kv_bytes_per_token: KV bytes of one token (all layers, K and V).
+        kv_stage_fixed_s, kv_stage_s_per_byte: staging a prompt's KV into the store (prefill side).
+        kv_load_fixed_s, kv_load_s_per_byte: loading it into the decode worker's pool.
+        bus_hop_s: one JetStream work-queue hop (publish → a consumer has it).
+        tokenize_s, tokenize_s_per_token: the tokenizer worker's service time per request.
+        token_cpu_s: host CPU per streamed token outside the model workers (postfilter
+            detokenize, bus, gateway SSE, client).
+        request_cpu_s: host CPU per request outside the model workers (gateway, tokenizer, bus).
+        step_loop_s: the worker loop's own time per step beyond ``LLMEngine.step`` (publishing
+            tokens, the thread hop, heartbeats); calibrated from an idle request's ITL.
+        pipeline_s: latency a request's first token spends in processes and hops beyond the
+            modelled ones; calibrated from an idle request's TTFT.
+        corun_slowdown: step-time factor when another model worker on the same host is busy
+            (shared memory bandwidth and caches), 1.0 = none.
+        step_jitter: equally likely factors (mean 1) one step's time is multiplied by — the
+            spread of observed over predicted step times of a run on a shared machine (other
+            processes taking the core for a while), measured by :mod:`sim.calibrate`;
+            empty = steps take exactly their predicted time.
+        load_timeline, load_bin_s: step-time factor per ``load_bin_s`` seconds from the
+            simulation's start (last one held after): a measured run's machine speed over time
+            (:mod:`sim.calibrate`), replayed to validate against that run; empty = 1.
+        host_cores: cores of the host the profile was measured on.
+        num_kv_blocks, block_size: one worker's KV pool.
+        sources: where each cited number comes from (cited profiles), or how it was measured.
+    """
+
+    name: str
+    measured: bool
+    machine: str
+    model: str
+    dtype: str
+    prefill_tokens: list[int]
+    prefill_s: list[float]
+    decode_batch: list[int]
+    decode_s: list[float]
+    prefill_attn_s: float = 0.0
+    decode_ctx_s: float = 0.0
+    step_fixed_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    kv_stage_fixed_s: float = 0.0
+    kv_stage_s_per_byte: float = 0.0
+    kv_load_fixed_s: float = 0.0
+    kv_load_s_per_byte: float = 0.0
+    bus_hop_s: float = 0.001
+    tokenize_s: float = 0.0
+    tokenize_s_per_token: float = 0.0
+    token_cpu_s: float = 0.0
+    request_cpu_s: float = 0.0
+    step_loop_s: float = 0.0
+    pipeline_s: float = 0.0
+    corun_slowdown: float = 1.0
+    step_jitter: list[float] = field(default_factory=list)
+    load_timeline: list[float] = field(default_factory=list)
+    load_bin_s: float = 0.0
+    host_cores: int = 0
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    sources: dict = field(default_factory=dict)
+    version: int = VERSION
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile file.
+
+        Raises:
+            ValueError: a version this code does not read, or missing fields.
+        """
+        data = json.loads(Path(path).read_text())
+        if data.get("version") != VERSION:
+            raise ValueError(f"{path}: profile version {data.get('version')}, this code reads {VERSION}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def scaled(self, compute: float = 1.0, host: float = 1.0) -> Profile:
+        """A copy with step times × ``compute`` and host-side CPU costs × ``host`` (a machine
+        under another load; used to correct a profile by a fresh measurement)."""
+        d = asdict(self)
+        d["prefill_s"] = [x * compute for x in self.prefill_s]
+        d["decode_s"] = [x * compute for x in self.decode_s]
+        for k in ("prefill_attn_s", "decode_ctx_s", "step_fixed_s"):
+            d[k] = d[k] * compute
+        for k in ("tokenize_s", "tokenize_s_per_token", "token_cpu_s", "request_cpu_s", "kv_stage_fixed_s",
+                  "kv_stage_s_per_byte", "kv_load_fixed_s", "kv_load_s_per_byte"):
+            d[k] = d[k] * host
+        return Profile(**d)
+
+
+class CostModel:
+    """The profile's cost functions, tabulated for integer arguments.
+
+    Args:
+        profile: the costs.
+        max_tokens: largest chunk (tokens) tabulated; larger ones extrapolate linearly.
+        max_batch: largest decode batch tabulated.
+    """
+
+    def __init__(self, profile: Profile, max_tokens: int = 8192, max_batch: int = 1024):
+        self.p = profile
+        xs = np.arange(max_tokens + 1)
+        self._prefill = _interp(xs, profile.prefill_tokens, profile.prefill_s).tolist()
+        self._prefill[0] = 0.0
+        bs = np.arange(max_batch + 1)
+        self._decode = _interp(bs, profile.decode_batch, profile.decode_s).tolist()
+        self._decode[0] = 0.0
+        self.max_tokens, self.max_batch = max_tokens, max_batch
+        self.attn = profile.prefill_attn_s
+        self.ctx = profile.decode_ctx_s
+        self.fixed = profile.step_fixed_s
+        self.kv_bpt = profile.kv_bytes_per_token
+        self.loop = profile.step_loop_s
+
+    def prefill(self, n: int) -> float:
+        """Seconds of a prefill chunk of ``n`` tokens at empty context."""
+        if n <= self.max_tokens:
+            return self._prefill[n]
+        return self._prefill[self.max_tokens] * n / self.max_tokens
+
+    def prefill_whole(self, n: int) -> float:
+        """Seconds to prefill an ``n``-token prompt in one step, attention over itself included."""
+        return self.prefill(n) + self.attn * n * n / 2
+
+    def decode_step(self, batch: int, context_tokens: int) -> float:
+        """Seconds of a decode step of ``batch`` sequences holding ``context_tokens`` in all."""
+        base = self._decode[batch] if batch <= self.max_batch else self._decode[self.max_batch] * batch / self.max_batch
+        return base + self.ctx * context_tokens
+
+    def step(self, prefill_chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
+        """Seconds of one step: ``prefill_chunks`` as (new tokens, computed before) pairs, beside
+        ``batch`` decoding sequences holding ``context_tokens``."""
+        t = self.loop
+        if len(prefill_chunks) == 1:
+            n, c = prefill_chunks[0]
+            t += self.prefill(n) + self.attn * n * c
+        elif prefill_chunks:
+            # one forward over all chunks: the linear layers see their total, attention is per
+            # sequence (the table's prefill(N) holds N²/2 pairs of self-attention; the chunks
+            # have Σ n²/2 among themselves and n·c with their contexts)
+            total = sum(n for n, _ in prefill_chunks)
+            cross = self.attn * (total * total - sum(n * n for n, _ in prefill_chunks)) / 2
+            # never below the largest chunk alone (a profile whose attention term outgrows its table)
+            t += max(self.prefill(total) - cross, max(self.prefill(n) for n, _ in prefill_chunks))
+            t += self.attn * sum(n * c for n, c in prefill_chunks)
+        if prefill_chunks:
+            if batch:
+                t += self.decode_step(batch, context_tokens) - self.fixed
+            return t
+        return t + self.decode_step(batch, context_tokens)
+
+    def kv_stage(self, num_tokens: int) -> float:
+        return self.p.kv_stage_fixed_s + self.p.kv_stage_s_per_byte * num_tokens * self.kv_bpt
+
+    def kv_load(self, num_tokens: int) -> float:
+        return self.p.kv_load_fixed_s + self.p.kv_load_s_per_byte * num_tokens * self.kv_bpt
+
+    def tokenize(self, num_tokens: int) -> float:
+        return self.p.tokenize_s + self.p.tokenize_s_per_token * num_tokens
+
+    def prefill_rate(self) -> float:
+        """Tokens/s of a 512-token prefill (what the router's heartbeats report)."""
+        return 512 / max(self.prefill(512), 1e-9)
+
+
+def _interp(x: np.ndarray, xp: list, fp: list) -> np.ndarray:
+    """Piecewise linear in the table, linear extrapolation past its last two points."""
+    xp_a, fp_a = np.asarray(xp, float), np.asarray(fp, float)
+    y = np.interp(x, xp_a, fp_a)
+    if len(xp_a) >= 2:
+        slope = (fp_a[-1] - fp_a[-2]) / max(xp_a[-1] - xp_a[-2], 1e-9)
+        hi = x > xp_a[-1]
+        y[hi] = fp_a[-1] + slope * (x[hi] - xp_a[-1])
+        lo_slope = (fp_a[1] - fp_a[0]) / max(xp_a[1] - xp_a[0], 1e-9)
+        lo = x < xp_a[0]
+        y[lo] = np.maximum(fp_a[0] - lo_slope * (xp_a[0] - x[lo]), fp_a[0] * 0.5)
+    return y

@@ -1,0 +1,297 @@
+"""Discrete-event simulation of a pdserve deployment replaying a trace.
+
+``simulate(requests, topology, profile)`` runs every request through the pipeline the real
+system has (``docs/architecture.md``):
+
+    client → gateway → (bus hop) → tokenizer (one FIFO server per replica) → router
+      ├─ remote: (hop) → prefill worker → first token; stage KV → (hop) → decode worker loads it
+      └─ local:  (hop) → decode/aggregated worker prefills and decodes
+    each token: worker step end → (hop) postfilter detokenize → gateway SSE → client
+
+Model workers are :class:`~sim.worker.SimWorker` (the engine's real Scheduler and
+BlockManager); the conditional route is the tokenizer's real :class:`~services.tokenizer.router.Router`
+fed heartbeats built from the simulated workers' state. Workers sit on :class:`Host` s whose
+cores they share with the services (the CPU cost per token and per request of the profile).
+
+Outputs (:class:`SimResult`): TTFT, ITL (every gap), TPOT and E2E percentiles, goodput under
+SLOs, per-worker utilization, and the simulator's own speed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+
+from services.tokenizer.router import Router
+from shared.messages import Heartbeat
+from sim.metrics import SimResult, summarize
+from sim.profile import CostModel, Profile
+from sim.worker import Host, SimWorker, new_seq
+
+
+@dataclass
+class Topology:
+    """What to simulate.
+
+    Attributes:
+        mode: ``aggregated`` (``workers`` aggregated workers), ``disaggregated`` (``prefill``
+            + ``decode`` workers) or ``conditional`` (the same, routed per request).
+        workers, prefill, decode: worker counts.
+        host_cores: cores per host (0 = processor sharing not modelled: a GPU-class worker, or
+            a calibrated replay whose contention is in the profile's co-run factor).
+        workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores);
+            the profile's ``corun_slowdown`` applies among them.
+        max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens: engine settings
+            (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
+        local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
+        heartbeat_s: the workers' heartbeat period: how stale the router's view is.
+        tokenizers: tokenizer replicas.
+        num_kv_blocks: KV blocks per worker (0 = the profile's).
+    """
+
+    mode: str = "aggregated"
+    workers: int = 2
+    prefill: int = 1
+    decode: int = 1
+    host_cores: int = 0
+    workers_per_host: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk_tokens: int = 0
+    local_max_tokens: int = 256
+    tokenizers: int = 1
+    num_kv_blocks: int = 0
+    enable_prefix_caching: bool = True
+    heartbeat_s: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    def label(self) -> str:
+        if self.mode == "aggregated":
+            return f"aggregated ×{self.workers}" + (" chunked" if self.max_prefill_chunk_tokens else "")
+        return f"{self.mode} {self.prefill}P:{self.decode}D"
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers if self.mode == "aggregated" else self.prefill + self.decode
+
+
+class Simulation:
+    """One run; use :func:`simulate`."""
+
+    def __init__(self, topo: Topology, profile: Profile, max_segment: int = 4096):
+        if topo.mode not in ("aggregated", "disaggregated", "conditional"):
+            raise ValueError(f"unknown mode {topo.mode!r}")
+        self.topo, self.p, self.cost = topo, profile, CostModel(profile)
+        self.max_segment = max_segment
+        self.heap: list = []
+        self.n_events = 0
+        self.hop = profile.bus_hop_s
+        self.out_delay = 2 * profile.bus_hop_s
+        self.tok_cpu = profile.token_cpu_s
+        self.jitter = list(profile.step_jitter)
+        self.timeline, self.bin_s = list(profile.load_timeline), profile.load_bin_s
+        self.rng = random.Random(0)
+        blocks = topo.num_kv_blocks or profile.num_kv_blocks
+        kw = dict(num_blocks=blocks, block_size=profile.block_size, max_num_seqs=topo.max_num_seqs,
+                  max_num_batched_tokens=topo.max_num_batched_tokens,
+                  max_prefill_chunk_tokens=topo.max_prefill_chunk_tokens,
+                  enable_prefix_caching=topo.enable_prefix_caching)
+        self.hosts: list[Host] = []
+
+        def host_for(i: int) -> Host:
+            h = i // max(1, topo.workers_per_host)
+            while len(self.hosts) <= h:
+                self.hosts.append(Host(topo.host_cores, profile.corun_slowdown))
+            return self.hosts[h]
+
+        self.prefill: list[SimWorker] = []
+        self.decode: list[SimWorker] = []
+        if topo.mode == "aggregated":
+            self.decode = [SimWorker(self, f"worker-{i}", "aggregated", self.cost, host_for(i), **kw)
+                           for i in range(topo.workers)]
+        else:
+            # the modes benchmark's placement: prefill-i and decode-i side by side on a host
+            n = max(topo.prefill, topo.decode)
+            order = [(r, i) for i in range(n) for r in ("prefill", "decode")
+                     if i < (topo.prefill if r == "prefill" else topo.decode)]
+            for slot, (role, i) in enumerate(order):
+                w = SimWorker(self, f"{role}-{i}", role, self.cost, host_for(slot), **kw)
+                (self.prefill if role == "prefill" else self.decode).append(w)
+        self.router = Router(topo.local_max_tokens, profile.kv_bytes_per_token)
+        self.tok_free = [0.0] * max(1, topo.tokenizers)
+        self.first: list[float] = []
+        self.last: list[float] = []
+        self.n_out: list[int] = []
+        self.gap_v: list[float] = []
+        self.gap_w: list[int] = []
+        self.gap_r: list[int] = []  # the request of each gap
+        self.remote = 0
+        self._turn: dict[int, int] = {}
+        self._hb: dict[str, Heartbeat] = {}
+        self.done = 0
+
+    # --- events -----------------------------------------------------------------------
+    def push(self, t: float, fn, arg) -> None:
+        self.n_events += 1
+        heapq.heappush(self.heap, (t, self.n_events, fn, arg))
+
+    def run(self, requests) -> SimResult:
+        n = len(requests)
+        self.first = [float("nan")] * n
+        self.last = [float("nan")] * n
+        self.n_out = [0] * n
+        self.arrival = [r.arrival_s for r in requests]
+        started, cpu0 = time.perf_counter(), time.process_time()
+        for r in requests:
+            self._arrive(r)
+        heap = self.heap
+        pop = heapq.heappop
+        now = 0.0
+        while heap:
+            now, _, fn, arg = pop(heap)
+            fn(now, arg)
+        wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu0
+        workers = self.prefill + self.decode
+        util = {w.name: w.busy_s / now if now else 0.0 for w in workers}
+        return SimResult(self.topo.label(), self.arrival, self.first, self.last, self.n_out, self.gap_v, self.gap_w,
+                         util, now, wall, self.n_events, self.remote, self.done,
+                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu, gap_r=self.gap_r)
+
+    def _arrive(self, req) -> None:
+        # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
+        # computed here. The route is decided when tokenizing ends (an event: it reads worker state).
+        cost = self.cost.tokenize(req.prompt_tokens)
+        i = min(range(len(self.tok_free)), key=self.tok_free.__getitem__)
+        done = max(self.tok_free[i], req.arrival_s + self.hop) + cost
+        self.tok_free[i] = done
+        self.push(done, self._route, req)
+
+    def _route(self, now: float, req) -> None:
+        remote = self.topo.mode == "disaggregated"
+        if self.topo.mode == "conditional":
+            pre = [self._heartbeat(now, w) for w in self.prefill]
+            dec = [self._heartbeat(now, w) for w in self.decode]
+            remote = self.router.decide(req.prompt_tokens, 0, pre, dec).target == "remote"
+        bs = self.p.block_size
+        seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
+        if remote:
+            self.remote += 1
+            w = self._pull(self.prefill)
+        else:
+            w = self._pull(self.decode)
+        # the gateway's and tokenizer's CPU for this request, on the host it is served from
+        w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
+        self.push(now + self.hop, self._deliver, (w, "new", seq))
+
+    def _heartbeat(self, now: float, w: SimWorker) -> Heartbeat:
+        """What the router knows of ``w``: its last heartbeat, sent every ``heartbeat_s``
+        (``PD_HEARTBEAT_INTERVAL_S``; 0 = always current) — the rate its own steps showed (0
+        until one has: the router's default), its queued prompt tokens, its running count."""
+        last = self._hb.get(w.name)
+        if last is not None and now - last.sent_at < self.topo.heartbeat_s:
+            return last
+        hb = Heartbeat(w.role, w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
+                       queued_prefill_tokens=w.queued_prefill_tokens if w.role == "prefill" else 0,
+                       num_running=len(w.sched.running))
+        self._hb[w.name] = hb
+        return hb
+
+    def _pull(self, pool: list[SimWorker]) -> SimWorker:
+        """Which worker of ``pool`` takes the next work item: as JetStream serves the pull
+        consumers (``services/common/consumer.py``) — each worker with room (fewer than
+        ``max_num_seqs`` held) keeps one fetch waiting, and waiting fetches are served in turn,
+        whatever the worker's engine is doing; with no room anywhere, the least loaded (the
+        item waits in the stream for the first slot)."""
+        n = len(pool)
+        if n == 1:
+            return pool[0]
+        start = self._turn.get(id(pool), 0)
+        for j in range(n):
+            w = pool[(start + j) % n]
+            if w.sched.num_unfinished + len(w.inbox) < self.topo.max_num_seqs:
+                self._turn[id(pool)] = (start + j + 1) % n
+                return w
+        return min(pool, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+
+    def _deliver(self, now: float, arg) -> None:
+        w, kind, seq = arg
+        w.deliver(now, kind, seq)
+
+    def hand_off(self, t: float, seq) -> None:
+        """A prefill worker staged ``seq``'s KV at ``t``; a decode worker gets it a hop later."""
+        seq.stop_after_prefill = False
+        w = self._pull(self.decode)
+        self.push(t + self.hop, self._deliver, (w, "kv", seq))
+
+    def host_changed(self, now: float, worker: SimWorker) -> None:
+        """A worker went busy or idle: the others of its host re-time from their next step."""
+        if len(worker.host.workers) > 1:
+            for w in worker.host.workers:
+                if w is not worker and w.busy:
+                    w.cut(now)
+
+    # --- outputs ----------------------------------------------------------------------
+    def load_factor(self, now: float) -> float:
+        """The profile's ``load_timeline`` at ``now`` (1.0 without)."""
+        if not self.timeline or self.bin_s <= 0:
+            return 1.0
+        return self.timeline[min(int(now / self.bin_s), len(self.timeline) - 1)]
+
+    def jitter_factor(self) -> float:
+        """One step's draw of the profile's ``step_jitter`` (1.0 without)."""
+        return self.jitter[self.rng.randrange(len(self.jitter))] if self.jitter else 1.0
+
+    def tokens(self, seq, first_end: float, end: float, k: int, host: Host, step_s: float = 0.0) -> None:
+        """``seq`` sampled ``k`` tokens, the first at ``first_end``, the last at ``end``; a
+        segment's steps take ``step_s`` (its first) and more. With ``step_jitter`` a segment's
+        gaps are spread over its factors (each gap once per factor, weight 1/len): the segment's
+        length is that of its mean step, its gaps are distributed as jittered steps would be."""
+        i = seq.req.idx
+        jit = self.jitter if k > 1 else ()
+        if seq.last_t < 0:
+            self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+        elif jit:
+            wait, w = first_end - seq.last_t - step_s, 1 / len(jit)
+            for j in jit:
+                self.gap_v.append(wait + step_s * j)
+                self.gap_w.append(w)
+                self.gap_r.append(i)
+        else:
+            self.gap_v.append(first_end - seq.last_t)
+            self.gap_w.append(1)
+            self.gap_r.append(i)
+        if k > 1:
+            g = (end - first_end) / (k - 1)
+            if jit:
+                w = (k - 1) / len(jit)
+                for j in jit:
+                    self.gap_v.append(g * j)
+                    self.gap_w.append(w)
+                    self.gap_r.append(i)
+            else:
+                self.gap_v.append(g)
+                self.gap_w.append(k - 1)
+                self.gap_r.append(i)
+        seq.last_t = end
+        self.n_out[i] += k
+        self.last[i] = end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+        host.add_cpu(end, self.tok_cpu * k)
+
+    def finished(self, seq, now: float) -> None:
+        self.done += 1
+
+
+def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,
+             max_segment: int = 4096, keep: list[bool] | None = None) -> dict:
+    """Replay ``requests`` (:class:`~sim.trace.SimRequest`, arrival order) through
+    ``topo`` with ``profile``'s costs; returns :func:`sim.metrics.summarize`'s dict,
+    over the requests ``i`` with ``keep[i]`` only when ``keep`` is given (all are simulated).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    result = Simulation(topo, profile, max_segment).run(requests)
+    return summarize(result.only(keep) if keep is not None else result, slo_ttft_s, slo_tpot_s)

@@ -1,0 +1,173 @@
+"""Requests for the simulator: arrival time, prompt length, output length and the prompt's
+block hashes (so prefix caching meets the trace's real sharing), read straight from the trace
+files without building token lists (a 100k-request trace loads in about a second).
+
+Sources: the Azure LLM inference traces 2023 and the Mooncake traces, as in
+:mod:`loadtest.workloads`, which reuses this module's trace reading and ``Scaling``, so a simulated
+replay states the same fitting as a measured one; synthetic Poisson/gamma mixes as in
+:func:`loadtest.workloads.synthetic`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import struct
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+#: Token ids drawn for synthetic prompts stay inside this range (clear of special tokens),
+#: narrowed for a smaller vocabulary.
+TOKEN_LOW, TOKEN_HIGH = 1000, 40000
+
+
+def token_range(vocab_size: int | None) -> tuple[int, int]:
+    """The ``[low, high)`` token ids synthetic prompts draw from for a vocabulary of ``vocab_size``."""
+    if not vocab_size or vocab_size >= TOKEN_HIGH:
+        return TOKEN_LOW, TOKEN_HIGH
+    return min(TOKEN_LOW, vocab_size // 4), vocab_size
+
+
+#: The full public traces (the ``shared/traces`` folder beside the checkout), then the samples shipped here.
+TRACES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SAMPLES_DIR = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How a trace was fitted to this machine; printed in every report."""
+
+    time_scale: float
+    max_prompt_tokens: int
+    max_output_tokens: int
+    block_tokens: int = 0
+    note: str = ""
+
+    def describe(self) -> str:
+        s = (f"inter-arrival gaps × {self.time_scale:g}, prompts capped at {self.max_prompt_tokens} tokens, "
+             f"outputs at {self.max_output_tokens}")
+        if self.block_tokens:
+            s += f", Mooncake 512-token blocks scaled to {self.block_tokens} tokens"
+        return s + (f"; {self.note}" if self.note else "")
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int | None = None) -> list[int]:
+    """``n`` token ids drawn from ``rng`` inside :func:`token_range`."""
+    low, high = token_range(vocab_size)
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+def trace_path(name: str) -> Path:
+    """A trace file from ``../shared/traces`` (the full public traces) or the bundled samples."""
+    for folder in (TRACES_DIR, SAMPLES_DIR):
+        path = folder / name
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"trace {name} is in neither {TRACES_DIR} nor {SAMPLES_DIR}")
+
+
+def timestamp_s(text: str) -> float:
+    """An Azure trace timestamp (``"2023-11-16 18:17:03.9799600"``: seven fractional digits) in unix seconds."""
+    head, _, frac = text.partition(".")
+    return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One simulated request. ``hash_ids``: ids of the prompt's shared segments (Mooncake),
+    each ``segment_tokens`` long; None = a prompt shared with no one."""
+
+    idx: int
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    hash_ids: tuple[int, ...] | None = None
+    segment_tokens: int = 0
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """Hashes of the prompt's full blocks: equal for equal prefixes, like
+        :func:`shared.hashing.block_hashes` on real tokens, but built without the tokens."""
+        n = self.prompt_tokens // block_size
+        if self.hash_ids is None:
+            head = struct.pack("<q", -1 - self.idx)
+            return [head + struct.pack("<I", j) for j in range(n)]
+        out = []
+        for j in range(n):
+            seg = min(j * block_size // self.segment_tokens, len(self.hash_ids) - 1)
+            out.append(struct.pack("<qI", self.hash_ids[seg], j))
+        return out
+
+
+def azure(name: str, n: int, scaling: Scaling, start: int = 0) -> list[SimRequest]:
+    """``n`` requests of an Azure 2023 trace (``azure2023_conv.csv``, ``azure2023_code.csv``)."""
+    out: list[SimRequest] = []
+    t0 = None
+    with open(trace_path(name)) as fh:
+        for i, row in enumerate(csv.DictReader(fh)):
+            if i < start:
+                continue
+            if len(out) == n:
+                break
+            t = timestamp_s(row["TIMESTAMP"])
+            t0 = t if t0 is None else t0
+            out.append(SimRequest(len(out), (t - t0) * scaling.time_scale,
+                                  max(1, min(int(row["ContextTokens"]), scaling.max_prompt_tokens)),
+                                  max(1, min(int(row["GeneratedTokens"]), scaling.max_output_tokens))))
+    return out
+
+
+def mooncake(name: str, n: int, scaling: Scaling) -> list[SimRequest]:
+    """``n`` requests of a Mooncake trace; its 512-token blocks become ``scaling.block_tokens``."""
+    seg = scaling.block_tokens or 64
+    out: list[SimRequest] = []
+    with open(trace_path(name)) as fh:
+        for line in fh:
+            if len(out) == n:
+                break
+            rec = json.loads(line)
+            ids = tuple(rec["hash_ids"])
+            length = min(max(1, rec["input_length"] * seg // 512), scaling.max_prompt_tokens, len(ids) * seg)
+            out.append(SimRequest(len(out), rec["timestamp"] / 1000.0 * scaling.time_scale, length,
+                                  max(1, min(rec["output_length"], scaling.max_output_tokens)), ids, seg))
+    return out
+
+
+def synthetic(n: int, rate_per_s: float, prompt_lengths: list[tuple[int, float]], output_tokens: int,
+              burstiness: float = 1.0, seed: int = 0, vocab_size: int | None = None) -> list[SimRequest]:
+    """The arrivals and lengths of :func:`loadtest.workloads.synthetic` with the same seed
+    (the same random draws in the same order, so a simulation replays the measured workload)."""
+    rng = random.Random(seed)
+    lengths, weights = zip(*prompt_lengths)
+    t, shape = 0.0, 1.0 / burstiness
+    out = []
+    for i in range(n):
+        length = rng.choices(lengths, weights)[0]
+        random_tokens(rng, length, vocab_size)  # keep the draws in step with the measured workload's
+        out.append(SimRequest(i, t, length, output_tokens))
+        t += rng.gammavariate(shape, 1.0 / (rate_per_s * shape))
+    return out
+
+
+def rescale(reqs: list[SimRequest], rate_per_s: float) -> list[SimRequest]:
+    """The same requests with arrival times stretched to a mean rate of ``rate_per_s``."""
+    if len(reqs) < 2 or reqs[-1].arrival_s <= 0:
+        return reqs
+    k = (len(reqs) - 1) / rate_per_s / reqs[-1].arrival_s
+    return [SimRequest(r.idx, r.arrival_s * k, r.prompt_tokens, r.max_tokens, r.hash_ids, r.segment_tokens)
+            for r in reqs]
+
+
+def repeat(reqs: list[SimRequest], times: int) -> list[SimRequest]:
+    """The trace played ``times`` times back to back (a 100k-request replay from a 20k trace);
+    each copy's prompts are its own (no prefix shared across copies)."""
+    if times <= 1 or not reqs:
+        return reqs
+    span = reqs[-1].arrival_s + (reqs[-1].arrival_s - reqs[0].arrival_s) / max(1, len(reqs) - 1)
+    out = []
+    for k in range(times):
+        for r in reqs:
+            ids = None if r.hash_ids is None else tuple(h * times + k for h in r.hash_ids)
+            out.append(SimRequest(len(out), r.arrival_s + k * span, r.prompt_tokens, r.max_tokens, ids, r.segment_tokens))
+    return out
