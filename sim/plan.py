@@ -113,7 +113,7 @@ def plan(reqs, profile: Profile, slo_ttft: float, slo_itl: float, *, percentile:
 def emit_k8s(out: Path, topo: Topology, summary: dict, reqs, profile: Profile, slo_ttft: float) -> list[Path]:
     """Write a kustomize overlay of ``infra/k8s`` for ``topo`` into ``out`` (see module doc)."""
     out.mkdir(parents=True, exist_ok=True)
-    root = Path(__file__).resolve().parents[2] / "infra" / "k8s"
+    root = Path(__file__).resolve().parents[1] / "infra" / "k8s"
     rel = os.path.relpath(root, out.resolve())
     cost = CostModel(profile)
     mean_prompt = sum(r.prompt_tokens for r in reqs) / max(1, len(reqs))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -134,6 +135,9 @@ def test_plan_is_minimal_and_emits_k8s(tmp_path):
     assert not any(meets for t, _, meets in res["tried"] if t.num_workers < n)
     paths = emit_k8s(tmp_path, topo, s, reqs, p, 1.0)
     kust = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    # the overlay's base is this checkout's infra/k8s, found from the output folder
+    assert (tmp_path / kust["resources"][0]).resolve() == Path(__file__).resolve().parents[2] / "infra" / "k8s"
+    assert (tmp_path / kust["resources"][0] / "kustomization.yaml").is_file()
     counts = {r["name"]: r["count"] for r in kust["replicas"]}
     assert counts["prefill"] + counts["decode"] == n
     keda = list(yaml.safe_load_all((tmp_path / "keda-patch.yaml").read_text()))
