@@ -13,7 +13,7 @@ import yaml
 
 from sim import trace
 from sim.metrics import weighted_percentiles
-from sim.plan import emit_k8s, plan
+from sim.plan import emit_k8s, exhaustive, meets_slos, plan
 from sim.profile import CostModel, Profile
 from sim.simulator import Simulation, Topology, simulate
 
@@ -128,11 +128,14 @@ def test_profile_roundtrip_and_version(tmp_path):
 def test_plan_is_minimal_and_emits_k8s(tmp_path):
     p = _profile()
     reqs = trace.rescale(_workload(150, 1.0, seed=2), 6.0)
-    res = plan(reqs, p, slo_ttft=1.0, slo_itl=0.08, max_workers=12, say=lambda *a: None)
+    res = plan(reqs, p, slo_ttft=1.0, slo_tpot=0.08, max_workers=12, say=lambda *a: None)
     topo, s = res["best"]
-    assert s["ttft"]["p90"] <= 1.0 and s["itl"]["p90"] <= 0.08
+    assert s["slo_attainment"] >= 0.9 and s["finished"] == s["requests"]
     n = topo.num_workers
     assert not any(meets for t, _, meets in res["tried"] if t.num_workers < n)
+    # every worker count from the first tried up to the answer was simulated (no jumps)
+    counts = sorted({t.num_workers for t, _, _ in res["tried"]})
+    assert counts == list(range(counts[0], n + 1))
     paths = emit_k8s(tmp_path, topo, s, reqs, p, 1.0)
     kust = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
     # the overlay's base is this checkout's infra/k8s, found from the output folder
@@ -144,6 +147,29 @@ def test_plan_is_minimal_and_emits_k8s(tmp_path):
     assert {k["metadata"]["name"]: k["spec"]["minReplicaCount"] for k in keda} == counts
     assert all(int(k["spec"]["triggers"][0]["metadata"]["lagThreshold"]) >= 1 for k in keda)
     assert len(paths) == 3
+
+
+@pytest.mark.parametrize("rate, slo_tpot", [(6.0, 0.08), (12.0, 0.06)])
+def test_plan_is_as_cheap_as_an_exhaustive_search(rate, slo_tpot):
+    """The planner's pick costs no more than 5% above the cheapest deployment found by trying
+    every worker count and every prefill/decode split (issue 34's planner check)."""
+    p = _profile()
+    reqs = trace.rescale(_workload(150, 1.0, seed=3), rate)
+    res = plan(reqs, p, 1.0, slo_tpot, max_workers=10, say=lambda *a: None)
+    best = exhaustive(reqs, p, 1.0, slo_tpot, max_workers=10)
+    assert best is not None and res["best"] is not None
+    assert res["best"][0].num_workers <= math.floor(1.05 * best[0].num_workers)
+    assert meets_slos(res["best"][1], 1.0, slo_tpot)
+
+
+def test_slo_attainment_counts_requests_not_pooled_gaps():
+    """A deployment whose pooled ITL p90 is fine but whose requests mostly miss their TPOT SLO
+    does not meet the SLOs (and the reverse)."""
+    summary = {"requests": 10, "finished": 10, "slo_attainment": 0.5, "itl": {"p90": 0.01}}
+    assert not meets_slos(summary, 1.0, 0.05)
+    assert not meets_slos(summary | {"finished": 9, "slo_attainment": 0.95}, 1.0, 0.05)
+    assert meets_slos(summary | {"slo_attainment": 0.95}, 1.0, 0.05)
+    assert not meets_slos(summary | {"slo_attainment": 0.95, "itl": {"p90": 0.2}}, 1.0, 0.05, slo_itl=0.1)
 
 
 def test_host_contention_slows_steps():
@@ -171,7 +197,7 @@ def test_plan_and_simulate_commands(tmp_path, capsys):
     assert {"profile", "plan", "simulate"} <= set(external_commands())
     prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")
     args = ["--profile", prof, "--trace", "poisson:128:0.8,1024:0.2", "--requests", "120", "--rate", "30"]
-    assert plan_cmd.main(args + ["--slo-ttft", "1", "--slo-itl", "0.05", "--emit", "k8s", "--out", str(tmp_path)]) == 0
+    assert plan_cmd.main(args + ["--slo-ttft", "1", "--slo-tpot", "0.05", "--emit", "k8s", "--out", str(tmp_path)]) == 0
     assert "plan:" in capsys.readouterr().out and (tmp_path / "kustomization.yaml").exists()
     assert run_cmd.main(args + ["--mode", "disaggregated", "--prefill", "1", "--decode", "2"]) == 0
     assert "disaggregated 1P:2D" in capsys.readouterr().out
