@@ -119,7 +119,11 @@ class Simulation:
             for slot, (role, i) in enumerate(order):
                 w = SimWorker(self, f"{role}-{i}", role, self.cost, host_for(slot), **kw)
                 (self.prefill if role == "prefill" else self.decode).append(w)
-        self.router = Router(topo.local_max_tokens, profile.kv_bytes_per_token)
+        # the router's hand-off estimates are this profile's, as the simulated hand-off is
+        per_byte_s = profile.kv_stage_s_per_byte + profile.kv_load_s_per_byte
+        self.router = Router(topo.local_max_tokens, profile.kv_bytes_per_token,
+                             kv_bandwidth_bytes_per_s=1.0 / per_byte_s if per_byte_s > 0 else float("inf"),
+                             hop_overhead_s=2 * profile.bus_hop_s + profile.kv_stage_fixed_s + profile.kv_load_fixed_s)
         self.tok_free = [0.0] * max(1, topo.tokenizers)
         self.first: list[float] = []
         self.last: list[float] = []

@@ -52,11 +52,19 @@ class Router:
     Args:
         local_max_tokens: the longest ``n_new`` ever prefilled locally.
         kv_bytes_per_token: KV bytes one prompt token costs to stage and load.
+        kv_bandwidth_bytes_per_s: staging + loading throughput of the KV hand-off (bytes/s).
+        hop_overhead_s: the remote path's fixed cost (seconds): its extra work-queue hop, the
+            store round trip and decode's admission. The simulator passes both from its
+            profile (:class:`sim.simulator.Simulation`); a live tokenizer uses the defaults.
     """
 
-    def __init__(self, local_max_tokens: int, kv_bytes_per_token: int):
+    def __init__(self, local_max_tokens: int, kv_bytes_per_token: int,
+                 kv_bandwidth_bytes_per_s: float = DEFAULT_KV_BANDWIDTH_BYTES_PER_S,
+                 hop_overhead_s: float = HOP_OVERHEAD_S):
         self.local_max_tokens = local_max_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_bandwidth_bytes_per_s = kv_bandwidth_bytes_per_s
+        self.hop_overhead_s = hop_overhead_s
 
     def decide(self, num_prompt_tokens: int, num_cached_tokens: int, prefill: list[Heartbeat],
                decode: list[Heartbeat]) -> RouteDecision:
@@ -70,8 +78,8 @@ class Router:
         prefill_rate = sum(h.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S for h in prefill)
         queue_s = sum(h.queued_prefill_tokens for h in prefill) / prefill_rate
         per_worker_rate = prefill_rate / len(prefill)
-        transfer_s = num_prompt_tokens * self.kv_bytes_per_token / DEFAULT_KV_BANDWIDTH_BYTES_PER_S
-        remote_s = queue_s + n_new / per_worker_rate + transfer_s + HOP_OVERHEAD_S
+        transfer_s = num_prompt_tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
+        remote_s = queue_s + n_new / per_worker_rate + transfer_s + self.hop_overhead_s
         target = min(decode, key=lambda h: h.num_running)  # JetStream hands work to whoever pulls; the idlest does
         local_rate = target.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
         local_one = n_new / local_rate

@@ -3,6 +3,8 @@ remote, and long ones local only when the prefill workers are backed up."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.tokenizer.router import Router
 from shared.messages import Heartbeat
 
@@ -52,3 +54,16 @@ def test_long_prompt_goes_remote_to_idle_prefill_workers_even_on_a_fast_model():
     r = Router(local_max_tokens=32, kv_bytes_per_token=0)
     d = r.decide(80, 0, [hb("prefill", "p", 20000.0)], [hb("decode", "d", 20000.0)])
     assert d.target == "remote" and "local limit of 32" in d.reason
+
+
+def test_hand_off_estimates_come_from_the_router_parameters():
+    """The remote cost is queue + compute + KV bytes / the given bandwidth + the given hop cost,
+    so a simulated router prices the hand-off with its profile's figures, not constants."""
+    prefill, decode = [hb("prefill", "p", 2000.0)], [hb("decode", "d", 1000.0, running=1)]
+    fast = Router(local_max_tokens=64, kv_bytes_per_token=1000, kv_bandwidth_bytes_per_s=1e12, hop_overhead_s=0.0)
+    slow = Router(local_max_tokens=64, kv_bytes_per_token=1000, kv_bandwidth_bytes_per_s=1e6, hop_overhead_s=0.5)
+    a, b = fast.decide(60, 0, prefill, decode), slow.decide(60, 0, prefill, decode)
+    assert a.remote_s == pytest.approx(60 / 2000.0 + 60 * 1000 / 1e12)
+    assert b.remote_s == pytest.approx(60 / 2000.0 + 60 * 1000 / 1e6 + 0.5)
+    assert a.local_s == b.local_s == pytest.approx(60 / 1000.0 * 2)
+    assert (a.target, b.target) == ("remote", "local")
