@@ -1,86 +1,162 @@
-"""A GPU-class worker profile built from published figures — NOT measured here.
+"""GPU-class worker profiles built from published figures — NOT measured here.
 
-Worker: one NVIDIA A100 80GB SXM4 serving Llama-2-7B in 16-bit, tensor parallel 1. Every
-number below is a cited figure or is derived from cited figures by the arithmetic shown.
-``python -m sim.cited docs/profiles/a100-llama2-7b.json`` writes the profile.
+Every number below is a cited figure or is derived from cited figures by the arithmetic shown;
+each profile's ``sources`` field says which. ``python -m sim.cited docs/profiles`` writes them.
+
+* ``a100-llama2-7b``: one NVIDIA A100 80GB SXM4 serving Llama-2-7B in 16-bit, TP 1.
+* ``a100x4-llama2-70b-tp4``: four A100 80GB serving Llama-2-70B in 16-bit with tensor
+  parallelism 4 — one worker is the four GPUs.
 
 Sources:
-  [NEMO]  NVIDIA NeMo Framework user guide, "Llama-2 Results — Inference Performance",
-          Configuration 1 (input 128, output 20 tokens, TensorRT-LLM), Llama-2-7B, TP1, A100 80GB SXM4:
-          average latency 234.0 / 249.6 / 272.6 / 329.5 ms at batch 1 / 2 / 4 / 8.
-          https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/llama.html
+  [LMD]   LMDeploy "Benchmark on A100 (FP16)" (InternLM/lmdeploy, docs/en/benchmark/a100_fp16.md,
+          lmdeploy v0.1.0a1, A100-80G, CUDA 11.8), static inference tables:
+          llama2-7b, TP1, prompt 1 / output 128, per-token latency p50: 0.009 / 0.010 / 0.011 /
+          0.012 s at batch 1 / 16 / 32 / 64; first-token latency at batch 1: 0.011 / 0.022 /
+          0.139 s for prompts of 1 / 128 / 2048 tokens.
+          llama2-70b, TP4, prompt 1 / output 128, per-token latency p50: 0.029 / 0.030 / 0.032 /
+          0.037 s at batch 1 / 16 / 32 / 64; first-token latency at batch 1: 0.031 / 0.074 /
+          0.402 s for prompts of 1 / 128 / 2048 tokens.
   [A100]  NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOP/s dense BF16/FP16, 2,039 GB/s HBM2e (80GB SXM).
-  [LLAMA] Touvron et al., "Llama 2", 2023: 7B = 6.74e9 parameters, 32 layers, hidden 4096, 32 heads (no GQA).
+  [LLAMA] Touvron et al., "Llama 2", 2023: 7B = 6.74e9 parameters, 32 layers, hidden 4096, 32 heads
+          (no GQA); 70B = 68.98e9 parameters, 80 layers, hidden 8192, 64 query heads and 8 KV heads
+          (GQA), head dim 128.
   [DGX]   NVIDIA DGX A100 datasheet: 8× 200 Gb/s HDR InfiniBand (one per GPU) for the KV hand-off.
   [FACTS] this project's ../shared/design/FACTS.md: JetStream publish awaiting its ack ≈ 0.85 ms.
-  [ASSUMED] prefill model-FLOPs utilization 0.5: an assumption (not a cited figure), in the range
-          Sarathi-Serve (Agrawal et al., OSDI 2024) and DistServe (Zhong et al., OSDI 2024) describe
-          for compute-bound prefill; the at-scale conclusions are checked at 0.35 and 0.65 in docs/scale.md.
+
+Derived, not cited (each marked [DERIVED] in ``sources``): decode steps above batch 64 continue
+the cited 32→64 slope, floored by the compute the batch needs at the prefill's implied
+utilization; prefill above 2,048 tokens continues the cited 128→2,048 slope.
+
+An earlier version of the 7B profile took decode from NVIDIA NeMo's end-to-end latencies
+(dividing by 20 output tokens where 19 are decode steps), drew batches above 8 on an uncited
+straight line, and assumed a prefill utilization of 0.5 (25-35 % below [LMD]'s first-token
+latencies); its prefill of under ~127 tokens cost less than one decode step, so a mixed step
+with a short chunk came out cheaper than the decode step alone.
+
+Sensitivity: ``mfu`` rescales the compute-bound part of prefill to that model-FLOPs
+utilization (default: the one [LMD]'s first-token latencies imply); ``mbu`` rescales the
+memory-bound part of decode likewise (default: the one [LMD]'s batch-1 latency implies).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from sim.profile import Profile
 
-PARAMS = 6.74e9  # [LLAMA]
-LAYERS, HIDDEN = 32, 4096  # [LLAMA]
 PEAK_FLOPS = 312e12  # [A100]
 HBM_BYTES_S = 2.039e12  # [A100]
-NEMO_IN, NEMO_OUT = 128, 20  # [NEMO]
-NEMO_LATENCY_S = {1: 0.2340, 2: 0.2496, 4: 0.2726, 8: 0.3295}  # [NEMO]
-LINK_BYTES_S = 200e9 / 8  # [DGX]
+IB_BYTES_S = 200e9 / 8  # [DGX], one HDR link per GPU
 HOP_S = 0.00085  # [FACTS]
+GPU_MEMORY_BYTES = 80e9  # [A100]
 
 
-def a100_llama2_7b(mfu: float = 0.5) -> Profile:
-    """The profile (see module doc); ``mfu`` is the assumed prefill utilization."""
-    flops_per_token = 2 * PARAMS  # forward pass ≈ 2 FLOPs per parameter per token
-    per_token_s = flops_per_token / (PEAK_FLOPS * mfu)
-    weights_s = 2 * PARAMS / HBM_BYTES_S  # one read of the 16-bit weights
+@dataclass(frozen=True)
+class Cited:
+    """One model on A100s as [LMD] measured it (latencies in seconds)."""
+
+    name: str
+    model: str
+    params: float  # [LLAMA]
+    layers: int  # [LLAMA]
+    kv_heads: int  # [LLAMA]
+    head_dim: int  # [LLAMA]
+    hidden: int  # [LLAMA]
+    tp: int  # GPUs per worker
+    decode_p50: dict  # batch → per-token latency p50 [LMD]
+    first_token: dict  # prompt tokens → first-token latency at batch 1 [LMD]
+
+
+LLAMA2_7B = Cited("a100-llama2-7b", "Llama-2-7B", 6.74e9, 32, 32, 128, 4096, 1,
+                  {1: 0.009, 16: 0.010, 32: 0.011, 64: 0.012}, {1: 0.011, 128: 0.022, 2048: 0.139})
+LLAMA2_70B = Cited("a100x4-llama2-70b-tp4", "Llama-2-70B", 68.98e9, 80, 8, 128, 8192, 4,
+                   {1: 0.029, 16: 0.030, 32: 0.032, 64: 0.037}, {1: 0.031, 128: 0.074, 2048: 0.402})
+
+
+def build(c: Cited, mfu: float | None = None, mbu: float | None = None) -> Profile:
+    """The profile of ``c`` (see module doc); ``mfu`` / ``mbu`` override the implied
+    utilizations for sensitivity rows."""
+    flops_per_token = 2 * c.params  # forward pass ≈ 2 FLOPs per parameter per token
+    peak, hbm = PEAK_FLOPS * c.tp, HBM_BYTES_S * c.tp
+    weights_s = 2 * c.params / hbm  # one read of the 16-bit weights across the worker's GPUs
+    pts = sorted(c.first_token.items())
+    (n1, t1), (n2, t2) = pts[-2], pts[-1]
+    slope = (t2 - t1) / (n2 - n1)  # seconds per prompt token, compute-bound [LMD]
+    implied_mfu = flops_per_token / (slope * peak)
+    prefill_scale = implied_mfu / mfu if mfu else 1.0
+    floor = pts[0][1]  # a one-token forward: a step's fixed cost, weights read once
 
     def prefill(n: int) -> float:
-        return max(weights_s, n * per_token_s)
+        base = float(np.interp(n, [p for p, _ in pts], [t for _, t in pts])) if n <= n2 else t2 + slope * (n - n2)
+        return floor + (base - floor) * prefill_scale
 
-    # [NEMO] latency = prefill(128·B) + 20 decode steps at batch B  →  decode step at batch B
-    decode = {b: (lat - prefill(NEMO_IN * b)) / NEMO_OUT for b, lat in NEMO_LATENCY_S.items()}
-    slope = (decode[8] - decode[1]) / 7  # marginal seconds per extra sequence (batch ≤ 8)
-    batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    decode_s = [decode[b] if b in decode else max(decode[8] + slope * (b - 8), b * per_token_s) for b in batches]
-    mbu = weights_s / decode[1]  # memory-bandwidth utilization implied by [NEMO] at batch 1
-    kv_bytes_per_token = 2 * LAYERS * HIDDEN * 2  # K and V, 16-bit [LLAMA]
-    kv_pool_bytes = 0.9 * 80e9 - 2 * PARAMS  # 90% of HBM minus the weights
+    implied_mbu = weights_s / c.decode_p50[1]
+    decode_scale = implied_mbu / mbu if mbu else 1.0
+    dec = sorted(c.decode_p50.items())
+    (b1, d1), (b2, d2) = dec[-2], dec[-1]
+    tail = (d2 - d1) / (b2 - b1)
+    compute_per_seq = flops_per_token / (peak * implied_mfu)
+    batches = [b for b, _ in dec] + [128, 256]
+    decode_s = [c.decode_p50[b] if b in c.decode_p50 else max(d2 + tail * (b - b2), b * compute_per_seq)
+                for b in batches]
+    decode_s = [d * decode_scale for d in decode_s]
+    kv_bytes_per_token = 2 * c.layers * c.kv_heads * c.head_dim * 2  # K and V, 16-bit
+    kv_pool_bytes = 0.9 * GPU_MEMORY_BYTES * c.tp - 2 * c.params
     tokens = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    fixed = decode_s[0] - (decode_s[1] - decode_s[0]) / (batches[1] - batches[0])
+    link = IB_BYTES_S * c.tp
     return Profile(
-        name="a100-llama2-7b", measured=False, machine="NVIDIA A100 80GB SXM4 (cited, not measured)",
-        model="Llama-2-7B", dtype="float16",
+        name=c.name if mfu is None and mbu is None else f"{c.name}-mfu{mfu or implied_mfu:.2f}-mbu{mbu or implied_mbu:.2f}",
+        measured=False,
+        machine=f"{c.tp}× NVIDIA A100 80GB SXM4 (cited, not measured)" if c.tp > 1 else
+        "NVIDIA A100 80GB SXM4 (cited, not measured)",
+        model=c.model + (f", tensor parallel {c.tp}" if c.tp > 1 else ""), dtype="float16",
         prefill_tokens=tokens, prefill_s=[prefill(n) for n in tokens],
         decode_batch=batches, decode_s=decode_s,
-        prefill_attn_s=4 * LAYERS * HIDDEN / (PEAK_FLOPS * mfu),  # QKᵀ and AV: 4·layers·hidden FLOPs per (token, context token)
-        decode_ctx_s=kv_bytes_per_token / (HBM_BYTES_S * mbu),  # each context token's KV read once per step
-        step_fixed_s=decode[1] - slope,
+        # QKᵀ and AV: 4·layers·hidden FLOPs per (token, context token) at the prefill's utilization
+        prefill_attn_s=4 * c.layers * c.hidden / (peak * (mfu or implied_mfu)),
+        decode_ctx_s=kv_bytes_per_token / (hbm * (mbu or implied_mbu)),  # each context token's KV read once a step
+        step_fixed_s=min(fixed, floor),
         kv_bytes_per_token=kv_bytes_per_token,
-        kv_stage_fixed_s=HOP_S, kv_stage_s_per_byte=1 / LINK_BYTES_S,
+        kv_stage_fixed_s=HOP_S, kv_stage_s_per_byte=1 / link,
         kv_load_fixed_s=HOP_S, kv_load_s_per_byte=0.0,  # the transfer is counted once, on the staging side
         bus_hop_s=HOP_S, tokenize_s=0.0, token_cpu_s=0.0, request_cpu_s=0.0,
         corun_slowdown=1.0, host_cores=0,
         num_kv_blocks=int(kv_pool_bytes / kv_bytes_per_token / 16), block_size=16,
         sources={
-            "decode_s (batch 1-8)": "[NEMO] latency minus prefill(128·B), over 20 output tokens",
-            "decode_s (batch > 8)": "linear in batch with the [NEMO] batch 1→8 slope, floored by compute (prefill rate)",
-            "prefill_s": "max(weights read [A100][LLAMA], n·2·6.74e9 FLOPs / (312 TFLOP/s [A100] × MFU [ASSUMED]))",
-            "decode_ctx_s": "KV bytes per token / (2,039 GB/s [A100] × MBU implied by [NEMO] batch 1)",
-            "prefill_attn_s": "4·32·4096 FLOPs per (token, context token) / (312 TFLOP/s × MFU)",
-            "kv hand-off": "KV bytes / 25 GB/s (200 Gb/s HDR InfiniBand per GPU [DGX]) + one bus hop",
+            "decode_s (batch 1-64)": "[LMD] per-token latency p50, prompt 1, output 128",
+            "decode_s (batch 128, 256)": "[DERIVED] the [LMD] 32→64 slope continued, floored by batch × "
+                                         "2·params FLOPs at the implied prefill utilization",
+            "prefill_s": "[LMD] first-token latency at batch 1, piecewise linear; [DERIVED] above 2,048 tokens "
+                         "the 128→2,048 slope continued",
+            "step_fixed_s": "decode(1) − the [LMD] batch 1→16 slope, at most the one-token first-token latency",
+            "decode_ctx_s": "KV bytes per token / (HBM bandwidth [A100] × the MBU [LMD]'s batch 1 implies)",
+            "prefill_attn_s": "4·layers·hidden FLOPs per (token, context token) / (peak [A100] × implied MFU)",
+            "kv hand-off": f"KV bytes / {link / 1e9:.0f} GB/s ({c.tp}× 200 Gb/s HDR InfiniBand [DGX]) + one bus hop",
             "bus_hop_s": "[FACTS] JetStream publish with ack on loopback, 0.85 ms",
-            "num_kv_blocks": "(0.9·80 GB − 13.5 GB weights) / 512 KiB per token / 16",
-            "mfu": mfu, "mbu_implied": round(mbu, 3),
-            "citations": __doc__.split("Sources:")[1].split('"""')[0].strip(),
+            "num_kv_blocks": "(0.9 × GPU memory − 16-bit weights) / KV bytes per token / 16",
+            "mfu_implied": round(implied_mfu, 3), "mbu_implied": round(implied_mbu, 3),
+            "mfu": mfu or round(implied_mfu, 3), "mbu": mbu or round(implied_mbu, 3),
+            "citations": __doc__.split("Sources:")[1].split("Derived, not cited")[0].strip(),
         },
     )
 
 
+def a100_llama2_7b(mfu: float | None = None, mbu: float | None = None) -> Profile:
+    """Llama-2-7B on one A100 (see module doc)."""
+    return build(LLAMA2_7B, mfu, mbu)
+
+
+def a100x4_llama2_70b_tp4(mfu: float | None = None, mbu: float | None = None) -> Profile:
+    """Llama-2-70B on four A100s with tensor parallelism 4, one worker (see module doc)."""
+    return build(LLAMA2_70B, mfu, mbu)
+
+
 if __name__ == "__main__":
-    path = a100_llama2_7b().save(sys.argv[1] if len(sys.argv) > 1 else "docs/profiles/a100-llama2-7b.json")
-    print(path)
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/profiles")
+    for profile in (a100_llama2_7b(), a100x4_llama2_70b_tp4()):
+        print(profile.save(folder / f"{profile.name}.json"))

@@ -211,7 +211,9 @@ class CostModel:
             t += self.attn * sum(n * c for n, c in prefill_chunks)
         if prefill_chunks:
             if batch:
-                t += self.decode_step(batch, context_tokens) - self.fixed
+                # never below the decode step alone: the chunk's tokens only add work
+                decode = self.decode_step(batch, context_tokens)
+                t = max(t + decode - self.fixed, self.loop + decode)
             return t
         return t + self.decode_step(batch, context_tokens)
 

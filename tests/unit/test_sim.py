@@ -203,3 +203,26 @@ def test_plan_and_simulate_commands(tmp_path, capsys):
     assert "disaggregated 1P:2D" in capsys.readouterr().out
     assert run_cmd.main(["--profile", prof, "--trace", "nope"]) == 2
     assert "unknown trace" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["a100-llama2-7b", "a100x4-llama2-70b-tp4"])
+def test_cited_profiles_are_what_sim_cited_builds_and_keep_their_figures(name, tmp_path):
+    """The committed cited profiles are sim.cited's output (regenerate with ``python -m sim.cited
+    docs/profiles``), decode at batch 1-64 is LMDeploy's table, and no mixed step costs less
+    than its decode step alone (the old 7B profile's short chunks did)."""
+    from sim import cited
+
+    build = {"a100-llama2-7b": cited.a100_llama2_7b, "a100x4-llama2-70b-tp4": cited.a100x4_llama2_70b_tp4}[name]
+    fresh = build()
+    committed = Profile.load(Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"{name}.json")
+    assert committed.prefill_s == pytest.approx(fresh.prefill_s) and committed.decode_s == pytest.approx(fresh.decode_s)
+    source = {"a100-llama2-7b": cited.LLAMA2_7B, "a100x4-llama2-70b-tp4": cited.LLAMA2_70B}[name]
+    assert {b: d for b, d in zip(fresh.decode_batch, fresh.decode_s) if b <= 64} == source.decode_p50
+    assert fresh.prefill_s[fresh.prefill_tokens.index(2048)] == pytest.approx(source.first_token[2048])
+    c = CostModel(fresh)
+    for n in (1, 16, 64, 127, 256):
+        for b in (1, 8, 64):
+            assert c.step([(n, 0)], b, b * 100) >= c.decode_step(b, b * 100)
+    # the sensitivity rows: a lower utilization makes prefill slower, decode untouched
+    slow = build(mfu=0.35)
+    assert slow.prefill_s[-1] > fresh.prefill_s[-1] and slow.decode_s == fresh.decode_s
