@@ -8,10 +8,12 @@
 //
 // ISA: chosen at build time from the compiler's target flags (the extensions are built with
 // -march=native on the machine that runs them, keyed on its CPU flags): AVX-512 (F + BW) when
-// defined, else AVX2 + FMA. See block_rows for the two ways a call runs (few rows: widen in
-// registers; more: widen four weight rows once into an L1 buffer, then 4 x 4 register tiles).
+// defined, else AVX2 + FMA. See block_rows_with for the two ways a call runs (few rows: widen
+// in registers; more: widen four weight rows once into an L1 buffer, then 4 x 4 register tiles).
 //
-// Two arithmetics, chosen by the caller once per weight object (never per call or row count):
+// Two arithmetics, chosen by the caller once per weight object (never per call or row count),
+// run by the same loops (block_rows_with, written once over an arithmetic type: F32Fma,
+// Bf16Dot):
 //   * float32 (block_rows): x float32, weights widened to float32 exactly, float32 FMAs. The
 //     only path of float32 models and of CPUs without AVX512-BF16.
 //   * bf16 dot products (block_rows_bf16, only where __AVX512BF16__ is defined: a bfloat16
@@ -143,141 +145,7 @@ inline void prefetch_next_tile(const uint8_t* codes, const float* d, const float
   }
 }
 
-// Reduction order, the same for every (row of x, weight row) pair whatever the call's shape:
-// one accumulator vector, acc = fma(w[k..k+L), x[k..k+L), acc) for k = 0, L, 2L, ... in order,
-// then one horizontal sum. Both paths below follow it, so a row's result does not depend on
-// how many rows the call has (nor on how weight rows are split over threads).
-
-// Small M (<= 4 rows of x): NB weight rows against R rows, groups widened in registers.
-template <bool Q4, int R, int NB>
-inline void tile_registers(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
-                           int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
-  vf acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
-  for (int64_t g = 0; g < ng; ++g) {
-    prefetch_next_tile<Q4>(codes, d, m, row_bytes, ng, g);
-    vf w[NB][V];
-    for (int j = 0; j < NB; ++j) group_vectors<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g, w[j]);
-    for (int v = 0; v < V; ++v)
-      for (int r = 0; r < R; ++r) {
-        const vf xv = vload(x + r * K + g * G + v * L);
-        for (int j = 0; j < NB; ++j) acc[r][j] = vfma(w[j][v], xv, acc[r][j]);
-      }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * ldy + j] = vsum(acc[r][j]);
-}
-
-// Larger M: NB weight rows already widened to float32 (w, row stride K) against R rows.
-// (always inlined with its loops unrolled, so the R x NB accumulators stay in registers: left to
-// its own choice GCC kept them in memory in block_rows<false> and ran at half the speed)
-template <int R, int NB>
-inline __attribute__((always_inline)) void tile_widened(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-  vf acc[R][NB];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
-  for (int64_t k = 0; k < K; k += L) {
-    vf wv[NB];
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = vload(w + j * K + k);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const vf xv = vload(x + r * K + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * ldy + j] = vsum(acc[r][j]);
-}
-
-template <bool Q4, int NB>
-inline void rows_registers(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                           const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
-  switch (M) {
-    case 4: tile_registers<Q4, 4, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    case 3: tile_registers<Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    case 2: tile_registers<Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    default: tile_registers<Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-  }
-}
-
-template <int NB>
-inline void rows_widened(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4) tile_widened<4, NB>(x + r * K, K, w, y + r * ldy, ldy);
-  switch (M - r) {
-    case 3: tile_widened<3, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    case 2: tile_widened<2, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    case 1: tile_widened<1, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    default: break;
-  }
-}
-
-// f(std::integral_constant<int, NB>{}) with NB = nb in 1..4: a tile's number of weight rows
-// as the compile-time constant the tiles are instantiated on (every block_rows* path and
-// quant_linear.cpp's float_linear walk weight rows in fours, with a shorter tail).
-template <typename F>
-inline void with_tile_width(int nb, F&& f) {
-  switch (nb) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
-// Weight rows [n0, n1) against all M rows of x [M, K]: y[r * ldy + n]. Weight rows go in fours.
-// Up to four rows of x, each group is widened in registers and used at once (the weights are
-// streamed once; a batch-1 decode step is bound by these instructions). Above four, the four
-// weight rows are widened once into a float32 buffer and every 4 x 4 tile of (rows of x,
-// weight rows) reads it from L1: 16 FMAs per 8 loads, instead of widening again per four rows.
-template <bool Q4>
-inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                       const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  if (M <= 0) return;
-  const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
-  thread_local std::vector<float> widened;
-  if (M > 4) widened.resize(static_cast<size_t>(4 * K));
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
-    const uint8_t* c = codes + n * row_bytes;
-    const float* dn = d + n * ng;
-    const float* mn = Q4 ? m + n * ng : d;
-    if (M <= 4) {
-      with_tile_width(nb, [&](auto nbc) {
-        rows_registers<Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
-      });
-      continue;
-    }
-    for (int j = 0; j < nb; ++j)
-      for (int64_t g = 0; g < ng; ++g) {
-        if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
-        vf w[V];
-        group_vectors<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g, w);
-        for (int v = 0; v < V; ++v) std::memcpy(widened.data() + j * K + g * G + v * L, &w[v], sizeof(vf));
-      }
-    with_tile_width(nb, [&](auto nbc) { rows_widened<decltype(nbc)::value>(x, M, K, widened.data(), y + n, ldy); });
-  }
-}
-
-// ---- bf16 dot products (AVX512-BF16 `vdpbf16ps`) --------------------------------------------
-// The same two paths as block_rows, with weights and x rounded to bf16 and each (row of x,
-// weight row) pair reduced by ONE chain acc = vdpbf16ps(acc, x[k..k+32), w[k..k+32)) for
-// k = 0, 32, 64, ... in order (lane i takes elements k+2i and k+2i+1), then one horizontal
-// sum: a row's bits do not depend on the row count, the path or the weight rows' tiling.
-// Where it rounds: (1) each weight w = q d (+ m) is computed in float32 exactly as the float32
-// path does (one FMA), then rounded to bf16 to nearest even (`vcvtne2ps2bf16`; the same
-// bits as torch's .to(torch.bfloat16) of the de-quantized float32 weights, except that the
-// instruction flushes float32 denormals (|w| < 2^-126) to zero); (2) each row of x is rounded
-// to bf16 the same way once per call (block_rows_bf16's caller, round_rows_bf16); (3) the
-// products of two bf16 values are exact in float32 and the accumulation rounds to float32.
-// Used only when the caller asks for it (the model computes in bfloat16) and the build has
-// __AVX512BF16__; PDQ_BF16_EMULATE builds the same loops over a scalar model of the three
-// instructions (lanes as Intel's pseudo-code orders them) so tests exercise them on any CPU.
+// ---- bf16 values (AVX512-BF16) ---------------------------------------------------------------
 // Scalar models of one float32 -> bf16 rounding (vcvtne2ps2bf16: to nearest even, denormals
 // flushed, NaN kept quiet) and of bf16 -> float32 (exact).
 inline uint16_t bf16_rne(float x) {
@@ -294,6 +162,10 @@ inline float bf16_float(uint16_t h) {
   std::memcpy(&x, &u, 4);
   return x;
 }
+// vbh: 32 bf16 (one vdpbf16ps operand); vacc: its 16 float32 accumulator lanes. Native where
+// __AVX512BF16__ is defined; PDQ_BF16_EMULATE (the test build, any CPU) models the three
+// instructions in scalar code, lanes as Intel's pseudo-code orders them, so the same loops run
+// and their tiling and row independence are tested without the instructions.
 #if defined(PDQ_BF16_EMULATE)
 #define PDQ_BF16 1
 inline constexpr bool kBf16Native = false;
@@ -334,103 +206,183 @@ inline vacc bdot(vacc acc, vbh a, vbh b) { return _mm512_dpbf16_ps(acc, a, b); }
 inline float bsum(vacc v) { return _mm512_reduce_add_ps(v); }
 #endif
 
+// ---- The arithmetics of the float loops --------------------------------------------------------
+// The loops below (tile_registers, tile_widened, block_rows_with) are written once over an
+// arithmetic A, a type that says how one group of 32 weights is widened and what one step of an
+// accumulator chain is:
+//   A::X, A::W   one element of a row of x as the loops read it / of the widened weight buffer
+//   A::Wv        one step's operand vector: A::kStep elements (of x or of w), in element order
+//   A::Acc       one step's accumulator vector (float32 lanes)
+//   A::kSteps    steps per group of 32 weights (G / kStep)
+//   A::group<Q4>(codes, d, m, g, w[kSteps]): the 32 weights of group g of one weight row
+//   A::load(p), A::store(p, w): one operand vector from / to memory (x, the widened buffer)
+//   A::zero(), A::step(acc, x, w), A::sum(acc): the chain (where it rounds, with A::group)
+// x arrives already in A::X (the callers round it once per call for bf16, round_rows_bf16).
+
+// float32: x float32; w = q d (+ m) in float32 by group_vectors (one FMA for 4-bit, one
+// multiply for 8-bit, rounding once); a step is one float32 FMA per lane (vfmadd*ps over L
+// lanes: acc = w x + acc, one rounding); the sum is vsum (hsum's or _mm512_reduce_add_ps's order).
+struct F32Fma {
+  using X = float;
+  using W = float;
+  using Wv = vf;
+  using Acc = vf;
+  static constexpr int64_t kStep = L;
+  static constexpr int kSteps = V;
+  template <bool Q4>
+  static void group(const uint8_t* codes, const float* d, const float* m, int64_t g, Wv w[kSteps]) {
+    group_vectors<Q4>(codes, d, m, g, w);
+  }
+  static Wv load(const X* p) { return vload(p); }
+  static void store(W* p, Wv w) { std::memcpy(p, &w, sizeof(vf)); }
+  static Acc zero() { return vzero(); }
+  static Acc step(Acc acc, Wv x, Wv w) { return vfma(w, x, acc); }
+  static float sum(Acc acc) { return vsum(acc); }
+};
+
 #ifdef PDQ_BF16
-// Rows of x [n float32, n % 32 == 0] rounded to bf16 (to nearest even).
-inline void round_rows_bf16(const float* x, int64_t n, uint16_t* out) {
-  for (int64_t k = 0; k < n; k += G) bstore(out + k, bpack(x + k));
-}
-
-// The 32 weights of group g of one weight row as 32 bf16, in order.
-template <bool Q4>
-inline vbh group_bf16(const uint8_t* codes, const float* d, const float* m, int64_t g) {
-  vf w[V];
-  group_vectors<Q4>(codes, d, m, g, w);
+// bf16 dot products. Where it rounds: (1) each weight w = q d (+ m) is computed in float32
+// exactly as the float32 path does (group_vectors), then rounded to bf16 to nearest even
+// (`vcvtne2ps2bf16`; the same bits as torch's .to(torch.bfloat16) of the de-quantized float32
+// weights, except that the instruction flushes float32 denormals (|w| < 2^-126) to zero);
+// (2) each row of x is rounded to bf16 the same way once per call (block_rows_bf16's caller,
+// round_rows_bf16); (3) a step is one `vdpbf16ps` over 32 elements: lane i adds the exact
+// float32 products of elements 2i+1 then 2i to its accumulator, rounding to float32 per add
+// (one instruction does 32 multiply-adds where an FMA does 16); the sum is
+// _mm512_reduce_add_ps's order.
+struct Bf16Dot {
+  using X = uint16_t;
+  using W = uint16_t;
+  using Wv = vbh;
+  using Acc = vacc;
+  static constexpr int64_t kStep = G;
+  static constexpr int kSteps = 1;
+  template <bool Q4>
+  static void group(const uint8_t* codes, const float* d, const float* m, int64_t g, Wv w[kSteps]) {
+    vf f[V];
+    group_vectors<Q4>(codes, d, m, g, f);
 #if defined(PDQ_BF16_EMULATE)
-  alignas(64) float f[G];
-  for (int v = 0; v < V; ++v) std::memcpy(f + v * L, &w[v], sizeof(vf));
-  return bpack(f);
+    alignas(64) float p[G];
+    for (int v = 0; v < V; ++v) std::memcpy(p + v * L, &f[v], sizeof(vf));
+    w[0] = bpack(p);
 #else
-  return bpack2(w[0], w[1]);
+    w[0] = bpack2(f[0], f[1]);
 #endif
-}
+  }
+  static Wv load(const X* p) { return bload(p); }
+  static void store(W* p, Wv w) { bstore(p, w); }
+  static Acc zero() { return bzero(); }
+  static Acc step(Acc acc, Wv x, Wv w) { return bdot(acc, x, w); }
+  static float sum(Acc acc) { return bsum(acc); }
+};
+#endif
 
-// Few rows (<= 4): NB weight rows against R bf16 rows of x, groups widened in registers.
-template <bool Q4, int R, int NB>
-inline void tile_registers_bf16(const uint16_t* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
-                                int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
-  vacc acc[R][NB];
+// ---- The loops, once for both arithmetics ------------------------------------------------------
+// Reduction order, the same for every (row of x, weight row) pair whatever the call's shape:
+// one accumulator, acc = A::step(acc, x[k..k+kStep), w[k..k+kStep)) for k = 0, kStep,
+// 2 kStep, ... in order (float32: fma(w, x, acc) over L lanes; bf16: one vdpbf16ps over 32,
+// lane i taking elements k+2i and k+2i+1), then one A::sum. Both paths below follow it, so a
+// row's result does not depend on how many rows the call has, on the path taken, nor on how
+// weight rows are split over threads or tiled.
+
+// Small M (<= 4 rows of x): NB weight rows against R rows, groups widened in registers.
+template <typename A, bool Q4, int R, int NB>
+inline void tile_registers(const typename A::X* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                           int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  typename A::Acc acc[R][NB];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = bzero();
+    for (int j = 0; j < NB; ++j) acc[r][j] = A::zero();
   for (int64_t g = 0; g < ng; ++g) {
     prefetch_next_tile<Q4>(codes, d, m, row_bytes, ng, g);
-    vbh w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = group_bf16<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g);
+    typename A::Wv w[NB][A::kSteps];
+    for (int j = 0; j < NB; ++j)
+      A::template group<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g, w[j]);
+    for (int v = 0; v < A::kSteps; ++v)
+      for (int r = 0; r < R; ++r) {
+        const typename A::Wv xv = A::load(x + r * K + g * G + v * A::kStep);
+        for (int j = 0; j < NB; ++j) acc[r][j] = A::step(acc[r][j], xv, w[j][v]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = A::sum(acc[r][j]);
+}
+
+// Larger M: NB weight rows already widened (w [NB, K] of A::W, row stride K) against R rows.
+// (always inlined with its loops unrolled, so the R x NB accumulators stay in registers: left to
+// its own choice GCC kept them in memory in block_rows<false> and ran at half the speed)
+template <typename A, int R, int NB>
+inline __attribute__((always_inline)) void tile_widened(const typename A::X* x, int64_t K, const typename A::W* w,
+                                                        float* y, int64_t ldy) {
+  typename A::Acc acc[R][NB];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = A::zero();
+  for (int64_t k = 0; k < K; k += A::kStep) {
+    typename A::Wv wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = A::load(w + j * K + k);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const vbh xv = bload(x + r * K + g * G);
-      for (int j = 0; j < NB; ++j) acc[r][j] = bdot(acc[r][j], xv, w[j]);
+      const typename A::Wv xv = A::load(x + r * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = A::step(acc[r][j], xv, wv[j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * ldy + j] = bsum(acc[r][j]);
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = A::sum(acc[r][j]);
 }
 
-// More rows: NB weight rows already widened to bf16 (w, row stride K) against R rows.
-template <int R, int NB>
-inline __attribute__((always_inline)) void tile_widened_bf16(const uint16_t* x, int64_t K, const uint16_t* w,
-                                                             float* y, int64_t ldy) {
-  vacc acc[R][NB];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[r][j] = bzero();
-  for (int64_t k = 0; k < K; k += G) {
-    vbh wv[NB];
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = bload(w + j * K + k);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const vbh xv = bload(x + r * K + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[r][j] = bdot(acc[r][j], xv, wv[j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * ldy + j] = bsum(acc[r][j]);
-}
-
-template <bool Q4, int NB>
-inline void rows_registers_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                                const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+template <typename A, bool Q4, int NB>
+inline void rows_registers(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                           const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
   switch (M) {
-    case 4: tile_registers_bf16<Q4, 4, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    case 3: tile_registers_bf16<Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    case 2: tile_registers_bf16<Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    default: tile_registers_bf16<Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 4: tile_registers<A, Q4, 4, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 3: tile_registers<A, Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 2: tile_registers<A, Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    default: tile_registers<A, Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
   }
 }
 
-template <int NB>
-inline void rows_widened_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy) {
+// The M rows of x [M, K] against NB widened weight rows (w [NB, K]): y[r * ldy + j].
+template <typename A, int NB>
+inline void rows_widened_with(const typename A::X* x, int64_t M, int64_t K, const typename A::W* w, float* y,
+                              int64_t ldy) {
   int64_t r = 0;
-  for (; r + 4 <= M; r += 4) tile_widened_bf16<4, NB>(x + r * K, K, w, y + r * ldy, ldy);
+  for (; r + 4 <= M; r += 4) tile_widened<A, 4, NB>(x + r * K, K, w, y + r * ldy, ldy);
   switch (M - r) {
-    case 3: tile_widened_bf16<3, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    case 2: tile_widened_bf16<2, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    case 1: tile_widened_bf16<1, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 3: tile_widened<A, 3, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 2: tile_widened<A, 2, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
+    case 1: tile_widened<A, 1, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
     default: break;
   }
 }
 
-// block_rows with bf16 dot products: weight rows [n0, n1) against the M rows of x already
-// rounded to bf16 (xb [M, K], round_rows_bf16): y[r * ldy + n]. Up to four rows, each group is
-// widened in registers (two float32 vectors -> one bf16 vector); above four, four weight rows
-// are widened once into an L1 buffer of bf16 and read by 4 x 4 tiles (16 vdpbf16ps per 8 loads).
-template <bool Q4>
-inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+// f(std::integral_constant<int, NB>{}) with NB = nb in 1..4: a tile's number of weight rows
+// as the compile-time constant the tiles are instantiated on (every block_rows* path and
+// quant_linear.cpp's float_linear walk weight rows in fours, with a shorter tail).
+template <typename F>
+inline void with_tile_width(int nb, F&& f) {
+  switch (nb) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// Weight rows [n0, n1) against all M rows of x [M, K] (in A::X): y[r * ldy + n], in arithmetic
+// A. Weight rows go in fours. Up to four rows of x, each group is widened in registers and used
+// at once (the weights are streamed once; a batch-1 decode step is bound by these
+// instructions). Above four, the four weight rows are widened once into a buffer of A::W (4 K
+// elements, in L1) and every 4 x 4 tile of (rows of x, weight rows) reads it: 16 steps per 8
+// loads, instead of widening again per four rows.
+template <typename A, bool Q4>
+inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
                             const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (M <= 0) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
-  thread_local std::vector<uint16_t> widened;
+  thread_local std::vector<typename A::W> widened;
   if (M > 4) widened.resize(static_cast<size_t>(4 * K));
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
@@ -439,19 +391,53 @@ inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint
     const float* mn = Q4 ? m + n * ng : d;
     if (M <= 4) {
       with_tile_width(nb, [&](auto nbc) {
-        rows_registers_bf16<Q4, decltype(nbc)::value>(xb, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
+        rows_registers<A, Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
       });
       continue;
     }
     for (int j = 0; j < nb; ++j)
       for (int64_t g = 0; g < ng; ++g) {
         if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
-        bstore(widened.data() + j * K + g * G, group_bf16<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g));
+        typename A::Wv w[A::kSteps];
+        A::template group<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g, w);
+        for (int v = 0; v < A::kSteps; ++v) A::store(widened.data() + j * K + g * G + v * A::kStep, w[v]);
       }
     with_tile_width(nb, [&](auto nbc) {
-      rows_widened_bf16<decltype(nbc)::value>(xb, M, K, widened.data(), y + n, ldy);
+      rows_widened_with<A, decltype(nbc)::value>(x, M, K, widened.data(), y + n, ldy);
     });
   }
+}
+
+// ---- Entry points ------------------------------------------------------------------------------
+// float32: weight rows [n0, n1) of the blocks against x float32 [M, K]: y[r * ldy + n].
+template <bool Q4>
+inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                       int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  block_rows_with<F32Fma, Q4>(x, M, K, codes, d, m, n0, n1, y, ldy);
+}
+
+// float32 weights already widened (w [NB, K], K % L == 0) against x float32 [M, K]:
+// y[r * ldy + j] (quant_linear.cpp's float_linear).
+template <int NB>
+inline void rows_widened(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  rows_widened_with<F32Fma, NB>(x, M, K, w, y, ldy);
+}
+
+#ifdef PDQ_BF16
+// Rows of x [n float32, n % 32 == 0] rounded to bf16 (to nearest even).
+inline void round_rows_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t k = 0; k < n; k += G) bstore(out + k, bpack(x + k));
+}
+
+// bf16 dot products (only where PDQ_BF16 is defined): weight rows [n0, n1) against the M rows
+// of x already rounded to bf16 (xb [M, K], round_rows_bf16): y[r * ldy + n]. The loops of
+// block_rows; a group is widened as two float32 vectors (four in the AVX2 emulated build)
+// packed into one bf16 vector; above four rows the L1 buffer holds bf16 (16 vdpbf16ps per 8
+// loads).
+template <bool Q4>
+inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                            const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  block_rows_with<Bf16Dot, Q4>(xb, M, K, codes, d, m, n0, n1, y, ldy);
 }
 #endif
 inline constexpr bool kHasBf16 =
