@@ -184,7 +184,8 @@ class Settings:
         default="recompute",
     )
     kv_store_max_bytes: int = _doc(
-        "Cap on the shared-memory store; the least recently used blocks go first.",
+        "Cap on the shared-memory store; over it, the blocks whose leases end soonest go first (with one "
+        "PD_KV_BLOCK_TTL_S: the least recently staged or reused by a prefill); request tails are not evicted.",
         default=2 << 30,
     )
 
@@ -202,6 +203,14 @@ class Settings:
         "Before the first token, the longest silence (queueing behind other prompts included; a "
         "busy prefill reports progress) before a request fails.",
         default=120.0,
+    )
+    structured_additional_properties: bool = _doc(
+        "Whether constrained JSON (response_format json_schema, forced tool arguments) may hold "
+        "properties its schema does not name where the schema leaves additionalProperties unsaid. "
+        "false: only the named ones are generated (OpenAI's strict semantics, vLLM's default); true: "
+        "JSON Schema's default, any other property may follow (small models then ramble). strict: "
+        "true always closes.",
+        default=False,
     )
     max_request_body_bytes: int = _doc(
         "Largest accepted HTTP body (it must fit one NATS message with room to spare).", default=512 << 10

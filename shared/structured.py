@@ -11,7 +11,9 @@ the model stages compile it into a token matcher (``engine/grammar.py``). Torch-
   that tool's parameters schema>}``; a named function → just its arguments object.
 
 JSON is generated compactly with ``", "`` and ``": "`` separators and no other whitespace
-(so a model cannot pad forever with blanks). Unknown schema keywords (``format`` values
+(so a model cannot pad forever with blanks). Objects hold only the properties their schema
+names, unless it says otherwise (:func:`close_objects`; ``PD_STRUCTURED_ADDITIONAL_PROPERTIES``
+keeps JSON Schema's default, ``strict: true`` always closes them). Unknown schema keywords (``format`` values
 llguidance lacks, ...) are ignored (llguidance's ``lenient``); a schema that is not a valid
 schema (a wrong ``type``, a bad ``pattern``, a dangling ``$ref``) is a 400 naming the parameter.
 Compiling the same schema again is served from a cache (:data:`CACHE_SIZE` entries).
@@ -93,8 +95,82 @@ def _without_no_ops(node):
     return {k: _without_no_ops(v) for k, v in node.items() if not (k == "uniqueItems" and v is False)}
 
 
-def schema_grammar(schema: dict, param: str) -> str:
-    """The grammar of JSON valid for ``schema``.
+#: Keywords whose value is one subschema, a map of subschemas, or a list of subschemas.
+_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+               "else", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_APPLICATORS = ("allOf", "anyOf", "oneOf")
+
+
+def _names_properties(node) -> bool:
+    return isinstance(node, dict) and ("properties" in node or "patternProperties" in node)
+
+
+def close_objects(schema: dict) -> dict:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that names
+    its properties and leaves additional ones unsaid: the grammar then generates only the
+    named properties (OpenAI's ``strict`` semantics; vLLM's default with xgrammar, its
+    ``disable-additional-properties`` with guidance). A copy; ``schema`` is not changed.
+
+    Left open, where closing would refuse what the schema allows: objects without
+    ``properties`` (``{"type": "object"}`` stays any object), objects that say
+    ``additionalProperties`` or ``unevaluatedProperties`` themselves, objects extended by
+    their own ``allOf``/``anyOf``/``oneOf`` or a sibling ``$ref``, members of an ``allOf``
+    (and definitions an ``allOf`` refers to), and ``anyOf``/``oneOf`` members of an object
+    that names properties itself. Values (``enum``, ``const``, ``default``, ``examples``)
+    are never walked into.
+    """
+    kept_open: set[str] = set()  # "$ref" targets that another schema extends
+
+    def collect(node, extending: bool) -> None:
+        if isinstance(node, list):
+            for item in node:
+                collect(item, extending)
+            return
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (extending or _names_properties(node)):
+            kept_open.add(ref)
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    collect(sub, False)
+            elif key == "allOf" or (key in _APPLICATORS and _names_properties(node)):
+                collect(value, True)
+            elif key in _SCHEMA_LISTS or key in _ONE_SCHEMA:
+                collect(value, False)
+
+    def close(node, open_here: bool, path: str):
+        if isinstance(node, list):
+            return [close(item, open_here, f"{path}/{i}") for i, item in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: close(sub, f"{path}/{key}/{name}" in kept_open, f"{path}/{key}/{name}")
+                            for name, sub in value.items()}
+            elif key == "allOf" or (key in _APPLICATORS and _names_properties(node)):
+                out[key] = close(value, True, f"{path}/{key}")
+            elif key in _SCHEMA_LISTS or key in _ONE_SCHEMA:
+                out[key] = close(value, False, f"{path}/{key}")
+            else:
+                out[key] = value  # a value (enum, const, default, ...) or an annotation
+        extended = any(k in node for k in (*_APPLICATORS, "$ref", "additionalProperties", "unevaluatedProperties"))
+        if _names_properties(node) and not open_here and not extended:
+            out["additionalProperties"] = False
+        return out
+
+    collect(schema, False)
+    return close(schema, False, "#")
+
+
+def schema_grammar(schema: dict, param: str, *, closed: bool = True) -> str:
+    """The grammar of JSON valid for ``schema``; ``closed``: objects hold only the properties
+    their schema names (:func:`close_objects`), else JSON Schema's default (any others may
+    follow).
 
     Raises:
         InvalidRequest: ``schema`` is not a valid JSON schema (400 naming ``param``).
@@ -103,14 +179,18 @@ def schema_grammar(schema: dict, param: str) -> str:
         raise InvalidRequest(f"invalid JSON schema in '{param}': a schema is an object", param=param)
     _check_limits(schema, param)
     try:
-        text = json.dumps(_without_no_ops(schema))  # key order kept: properties are generated in the order given
+        schema = _without_no_ops(schema)
+        # key order kept: properties are generated in the order given
+        text = json.dumps(close_objects(schema) if closed else schema)
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"invalid JSON schema in '{param}': {exc}", param=param) from None
     return _grammar(text, param)
 
 
-def response_format_grammar(response_format: dict | None) -> str | None:
+def response_format_grammar(response_format: dict | None, *, closed: bool = True) -> str | None:
     """The grammar of an OpenAI ``response_format`` (as a plain dict); None for text.
+    ``closed``: as for :func:`schema_grammar` (a ``json_schema`` with ``strict: true`` is
+    always closed).
 
     Raises:
         InvalidRequest: an unknown type or an invalid schema (param ``response_format``).
@@ -128,7 +208,8 @@ def response_format_grammar(response_format: dict | None) -> str | None:
             raise InvalidRequest("response_format of type json_schema needs a 'json_schema' object "
                                  "({\"name\": ..., \"schema\": {...}})", param="response_format")
         schema = spec.get("schema")
-        return schema_grammar(ANY_OBJECT if schema is None else schema, "response_format")
+        return schema_grammar(ANY_OBJECT if schema is None else schema, "response_format",
+                              closed=closed or spec.get("strict") is True)
     raise InvalidRequest(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
                          param="response_format")
 
@@ -170,12 +251,17 @@ def check_tools(tools: list[dict]) -> None:
         schema_grammar(parameters, "tools")
 
 
-def tool_grammar(tools: list[dict], choice: str | None, parallel: bool) -> str | None:
+def tool_grammar(tools: list[dict], choice: str | None, parallel: bool, *, closed: bool = True,
+                 strict: frozenset[str] = frozenset()) -> str | None:
     """The grammar forcing a tool call: ``choice`` is "required", a function name, or
-    anything else (auto, none: no grammar)."""
+    anything else (auto, none: no grammar). ``closed``: as for :func:`schema_grammar`; the
+    functions named in ``strict`` (``strict: true``) have closed arguments either way."""
     if not tools or choice in (None, "auto", "none"):
         return None
     if choice == "required":
-        return schema_grammar(tool_call_schema(tools, parallel), "tools")
+        if not closed:
+            tools = [{**t, "function": {**t["function"], "parameters": close_objects(t["function"]["parameters"])}}
+                     if t["function"]["name"] in strict and t["function"].get("parameters") else t for t in tools]
+        return schema_grammar(tool_call_schema(tools, parallel), "tools", closed=closed)
     fn = next(t["function"] for t in tools if t["function"]["name"] == choice)
-    return schema_grammar(fn.get("parameters") or ANY_OBJECT, "tools")
+    return schema_grammar(fn.get("parameters") or ANY_OBJECT, "tools", closed=closed or choice in strict)

@@ -8,6 +8,7 @@ response_format, ...) get a message that says so.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -84,6 +85,23 @@ class ChatMessageIn(_Base):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+def check_tool_results(messages: list[ChatMessageIn]) -> None:
+    """Every ``role: "tool"`` message answers a call of an earlier assistant message (its
+    ``tool_call_id`` is one of that message's ``tool_calls`` ids), as OpenAI requires.
+
+    Raises:
+        InvalidRequest: naming ``messages`` (400).
+    """
+    call_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            call_ids.update(c.id for c in m.tool_calls or ())
+        elif m.role == "tool" and m.tool_call_id not in call_ids:
+            raise InvalidRequest(f"Invalid parameter: messages[{i}] has role 'tool' and tool_call_id "
+                                 f"{m.tool_call_id[:64]!r}, which no preceding assistant message's tool_calls "
+                                 "has; a tool message must answer an earlier tool call", param="messages")
 
 
 class StreamOptions(_Base):
@@ -208,6 +226,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _checks(self):
         check_tool_request(self)
+        check_tool_results(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -268,14 +287,67 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+#: pydantic error types whose message names the expected model class ("a valid dictionary or
+#: instance of ToolCallIn"): clients sent JSON, so they read "a JSON object" instead.
+_OBJECT_EXPECTED = frozenset({"model_type", "model_attributes_type", "dict_type", "dataclass_type"})
+
+
+@cache
+def _model_names() -> frozenset[str]:
+    """Names of the gateway's request models (pydantic puts them in the error locations of
+    unions)."""
+    names, todo = set(), [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith("services.gateway"):
+                names.add(sub.__name__)
+    return frozenset(names)
+
+
+def _is_union_tag(part) -> bool:
+    """Whether a pydantic error location part names a union member (``str``,
+    ``list[TextPart]``, ``literal['none','auto','required']``, ``NamedToolChoice``) rather
+    than a field: a type, which the client never wrote."""
+    return isinstance(part, str) and (
+        "[" in part or part in _model_names() or part in ("str", "int", "float", "bool", "dict", "list", "none"))
+
+
+def _message(err: dict) -> str:
+    if err.get("type") in _OBJECT_EXPECTED:
+        return "Input should be a JSON object"
+    return err.get("msg", "invalid value").removeprefix("Value error, ")
+
+
+def _best_error(errors: list[dict]) -> tuple[dict, str]:
+    """The error to report and its message: the first error, or where it is one member's of
+    a union (e.g. ``tool_choice``: a string or an object), the error of the member the input
+    got furthest into (an object missing its ``function`` is reported as that, not as "should
+    be 'none', 'auto' or 'required'"); an input that fits no member at all hears every
+    member's expectation ("... or a JSON object")."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is None:
+        return first, _message(first)
+    rivals = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag] and len(e.get("loc", ())) > tag
+              and _is_union_tag(e["loc"][tag])]
+    best = max(rivals, key=lambda e: len(e["loc"]), default=first)  # max keeps the first of equals
+    if len(best["loc"]) > tag + 1 or best.get("type") == "missing":
+        return best, _message(best)
+    expected = [_message(e).removeprefix("Input should be ") for e in rivals if len(e["loc"]) == tag + 1]
+    return best, "Input should be " + " or ".join(dict.fromkeys(expected))
+
+
 def validation_error_to_invalid(exc: ValidationError) -> InvalidRequest:
-    """The first problem of a pydantic error as an InvalidRequest naming the parameter."""
-    err = exc.errors()[0]
+    """The most telling problem of a pydantic error as an InvalidRequest naming the parameter,
+    in the client's terms (JSON types, never pdserve's class names)."""
+    err, msg = _best_error(exc.errors())
     param = ""
     for part in err.get("loc", ()):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "list[str]", "list[int]", "list[list[int]]"):
+        elif _is_union_tag(part):
             continue  # pydantic's name for a union member, not a field
         else:
             param += ("." if param else "") + str(part)
@@ -285,7 +357,6 @@ def validation_error_to_invalid(exc: ValidationError) -> InvalidRequest:
                               code="unrecognized_parameter")
     if err.get("type") == "missing":
         return InvalidRequest(f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return InvalidRequest(f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")
 
 

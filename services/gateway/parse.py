@@ -145,7 +145,8 @@ class ChoiceBuilder:
         now = time.time()
         requested = req.requested_max_tokens()
         max_tokens = requested if requested is not None else self.prompts.max_model_len
-        plan = plan_chat(req, self.prompts.tokenizer)  # tools, tool messages, response_format's grammar
+        # tools, tool messages, response_format's grammar
+        plan = plan_chat(req, self.prompts.tokenizer, closed=not self.settings.structured_additional_properties)
         seed = self._base_seed(req)
         return [
             Choice(index=k, prompt_index=0, task=TokenizeTask(

@@ -87,6 +87,7 @@ class Responses:
         self.want_logprobs = bool(req.logprobs) if endpoint == "chat" else req.logprobs is not None
         # completions with echo and max_tokens 0: the prompt alone (prefill samples one token anyway)
         self.zero_output = endpoint != "chat" and bool(getattr(req, "echo", False)) and req.max_tokens == 0
+        self.echoed: set[int] = set()  # echo with logprobs: choices whose prompt has been streamed
 
     # --- whole responses ----------------------------------------------------------------
     def complete(self, choices: list[Choice]) -> dict:
@@ -132,14 +133,17 @@ class Responses:
         return sse(body)
 
     def first_chunks(self, choices: list[Choice]) -> list[bytes]:
-        """Chat: the role delta of every choice. Completions with echo: the prompt text."""
+        """One chunk per choice, in index order, before any text: choices then first appear
+        in order 0, 1, 2, ... whichever generates first (openai-python's stream helper
+        accumulates choices by position). Chat: the role delta. Completions: the prompt with
+        ``echo``; with ``echo`` and ``logprobs`` (the prompt's logprobs come with the first
+        output, :meth:`delta_chunk`) and without echo, an empty text."""
         if self.endpoint == "chat":
             return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}], None) for c in choices]
-        if self.echo_texts:
-            return [self._chunk([{"index": c.index, "text": self.echo_texts[c.prompt_index], "logprobs": None,
-                                  "finish_reason": None}], None) for c in choices]
-        return []
+        echo_now = bool(self.echo_texts) and self.prompt_echo is None
+        return [self._chunk([{"index": c.index, "text": self.echo_texts[c.prompt_index] if echo_now else "",
+                              "logprobs": None, "finish_reason": None}], None) for c in choices]
 
     def delta_chunk(self, d: Delta, choices: list[Choice]) -> bytes:
         if self.endpoint == "chat":
@@ -147,16 +151,21 @@ class Responses:
                     "logprobs": chat_logprobs(d.logprobs) if self.want_logprobs and d.logprobs else None,
                     "finish_reason": d.finish_reason}
         else:
-            start = d.text_offset
-            echo = len(self.echo_texts[d.choice.prompt_index]) if self.echo_texts else 0
+            c = d.choice
+            echo = self.echo_texts[c.prompt_index] if self.echo_texts else ""
+            text = "" if self.zero_output else d.text
             pe = self.prompt_echo
-            logprobs = completion_logprobs(d.logprobs, echo + start) if self.want_logprobs and d.logprobs else None
-            if pe is not None and d.prompt_logprobs is not None:
-                logprobs = pe.logprobs(d.choice.prompt_index, d.prompt_logprobs, d.logprobs)
-            elif self.zero_output:
+            if pe is not None and c.index not in self.echoed:
+                # echo with logprobs: the prompt, its logprobs and the first output in one chunk
+                # (as vLLM streams it), so the chunk's text is its logprobs' tokens
+                self.echoed.add(c.index)
+                text = echo + text
+                logprobs = pe.logprobs(c.prompt_index, d.prompt_logprobs or c.prompt_logprobs, d.logprobs)
+            elif self.want_logprobs and d.logprobs and not self.zero_output:
+                logprobs = completion_logprobs(d.logprobs, len(echo) + d.text_offset)
+            else:
                 logprobs = None
-            item = {"index": d.choice.index, "text": "" if self.zero_output else d.text,
-                    "logprobs": logprobs, "finish_reason": d.finish_reason}
+            item = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         return self._chunk([item], self._usage(choices) if self.continuous_usage else None)
 
     def usage_chunk(self, choices: list[Choice]) -> bytes:

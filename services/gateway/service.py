@@ -221,7 +221,7 @@ class Gateway:
                     last_write = time.monotonic()
                     yield b": keep-alive\n\n"
                 continue
-            if d.text or d.finish_reason is not None or d.logprobs:
+            if d.text or d.finish_reason is not None or d.logprobs or d.prompt_logprobs is not None:
                 if d.text:
                     if run.first_token_at is not None and not run.timeline.first_flush:
                         run.timeline.first_flush = time.time()

@@ -103,8 +103,10 @@ def _arguments(text: str):
         return text
 
 
-def plan_chat(req, tokenizer) -> ToolPlan:
-    """Messages, tools and grammar of a chat request (see the module docstring).
+def plan_chat(req, tokenizer, *, closed: bool = True) -> ToolPlan:
+    """Messages, tools and grammar of a chat request (see the module docstring). ``closed``:
+    constrained objects hold only the properties their schema names
+    (``PD_STRUCTURED_ADDITIONAL_PROPERTIES`` false; :func:`shared.structured.close_objects`).
 
     Raises:
         InvalidRequest: an invalid schema (naming the parameter).
@@ -137,9 +139,11 @@ def plan_chat(req, tokenizer) -> ToolPlan:
             messages[0] = ChatMessage(role="system", content=messages[0].content + "\n\n" + prompt)
         else:
             messages.insert(0, ChatMessage(role="system", content=prompt))
-    grammar = tool_grammar(tools, "required" if mode == "required" else name, req.parallel_tool_calls is not False)
+    strict = frozenset(t.function.name for t in req.tools or () if t.function.strict)
+    grammar = tool_grammar(tools, "required" if mode == "required" else name, req.parallel_tool_calls is not False,
+                           closed=closed, strict=strict)
     if grammar is None and req.response_format is not None:
-        grammar = response_format_grammar(req.response_format.as_dict())
+        grammar = response_format_grammar(req.response_format.as_dict(), closed=closed)
     return ToolPlan(mode=mode, name=name, messages=messages, tools=shown if native and shown else None,
                     grammar=grammar)
 
@@ -190,3 +194,103 @@ def may_become_call(text: str) -> bool:
     if not stripped:
         return True
     return stripped.startswith(("{", "[", "<tool_call>")) or "<tool_call>".startswith(stripped)
+
+
+@dataclass(slots=True)
+class ScannedCall:
+    """One call of a ``required`` answer as far as it has been generated: its name once the
+    name string is complete, and the span of its ``arguments`` text (``end`` is None while
+    the arguments are still open)."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+
+class CallScanner:
+    """Reads the output of ``tool_choice: "required"`` (a JSON array of ``{"name": ...,
+    "arguments": {...}}`` objects, forced by the grammar) as it grows, so that its calls can
+    stream while they are generated and a cut answer still yields the calls begun.
+
+    :meth:`feed` takes each new piece of text; :attr:`calls` are the calls seen so far, and
+    :meth:`arguments` their arguments text: whole once closed, else as far as generated.
+    A character-level JSON scan (strings, escapes, nesting), so any whitespace is read.
+    """
+
+    def __init__(self):
+        self.text = ""
+        self.calls: list[ScannedCall] = []
+        self._depth = 0  # 1: inside the array, 2: inside a call object
+        self._in_string = False
+        self._escaped = False
+        self._string_start = 0
+        self._expect_key = False  # at depth 2: the next string is a key
+        self._key: str | None = None  # the call object's key whose value is being read
+        self._scalar_args = False  # arguments that are a bare number / true / false / null
+
+    def feed(self, piece: str) -> None:
+        """Scan ``piece``, the next text of the answer."""
+        start = len(self.text)
+        self.text += piece
+        for pos in range(start, len(self.text)):
+            self._step(self.text[pos], pos)
+
+    def _step(self, ch: str, pos: int) -> None:
+        call = self.calls[-1] if self.calls else None
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+                if self._depth == 2 and call is not None:
+                    self._end_string(call, self.text[self._string_start:pos + 1], pos)
+            return
+        if self._scalar_args and call is not None and self._depth == 2 and (ch in ",}" or ch.isspace()):
+            call.args_end, self._scalar_args = pos, False
+        if ch == '"':
+            self._in_string, self._string_start = True, pos
+            if self._depth == 2 and call is not None and self._key == "arguments" and call.args_start is None:
+                call.args_start = pos
+        elif ch in "{[":
+            if self._depth == 1 and ch == "{":
+                self.calls.append(ScannedCall())
+                self._expect_key, self._key = True, None
+            elif self._depth == 2 and call is not None and self._key == "arguments" and call.args_start is None:
+                call.args_start = pos
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 2 and call is not None and self._key == "arguments" and call.args_end is None:
+                call.args_end = pos + 1
+        elif self._depth == 2 and ch == ":":
+            self._expect_key = False
+        elif self._depth == 2 and ch == ",":
+            self._expect_key, self._key = True, None
+        elif (self._depth == 2 and call is not None and self._key == "arguments" and call.args_start is None
+              and not ch.isspace()):
+            call.args_start, self._scalar_args = pos, True
+
+    def _end_string(self, call: ScannedCall, raw: str, pos: int) -> None:
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return
+        if self._expect_key:
+            self._key = value
+        elif self._key == "name" and call.name is None:
+            call.name = value
+        elif self._key == "arguments" and call.args_end is None:
+            call.args_end = pos + 1  # arguments given as a JSON string
+
+    def arguments(self, call: ScannedCall) -> str:
+        """The call's arguments text so far ("" before they begin)."""
+        if call.args_start is None:
+            return ""
+        return self.text[call.args_start:call.args_end if call.args_end is not None else len(self.text)]
+
+    def named_calls(self) -> list[dict]:
+        """``[{"name", "arguments"}]`` of the calls whose name is complete (arguments as
+        generated, cut where the answer was cut)."""
+        return [{"name": c.name, "arguments": self.arguments(c)} for c in self.calls if c.name is not None]

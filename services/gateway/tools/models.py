@@ -35,7 +35,8 @@ class ResponseFormat(_Base):
         """The shape :func:`shared.structured.response_format_grammar` reads."""
         out: dict[str, Any] = {"type": self.type}
         if self.json_schema is not None:
-            out["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_}
+            out["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_,
+                                  "strict": self.json_schema.strict}
         return out
 
 
