@@ -21,12 +21,13 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pdserve up
 
-## the test suite: unit, kernel, integration and end-to-end tests (real NATS and Redis)
+## the test suite: unit, kernel, integration and end-to-end tests (real NATS and Redis); the 15 slowest listed
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
+## the fast subset (a few minutes): no end-to-end, no slow and no deployment-starting tests
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e"
+	$(PY) -m pytest -q -ra --durations=15 -m "not e2e and not slow and not deployment"
 
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -ra -m e2e

@@ -66,3 +66,17 @@ def redis_url() -> str:
 def namespace() -> str:
     """A namespace of its own for each test: no stream, subject or key is shared."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test under tests/integration/ ``deployment`` (each starts pdserve processes
+    through tests/pipeline_fixture.py, or NATS servers of its own), and any other test whose
+    module uses that fixture's ``deployment``: ``make test-fast`` leaves them out."""
+    from tests import pipeline_fixture
+
+    integration = REPO / "tests" / "integration"
+    for item in items:
+        path = Path(str(item.fspath))
+        module = getattr(item, "module", None)
+        if integration in path.parents or getattr(module, "deployment", None) is pipeline_fixture.deployment:
+            item.add_marker(pytest.mark.deployment)

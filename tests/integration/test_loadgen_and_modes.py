@@ -35,8 +35,23 @@ def test_modes_comparison_measures_the_crossover_and_feeds_it_to_conditional_rou
     starting it below; the modes themselves serve in test_routing.py (aggregated, conditional)
     and everywhere else (disaggregated). (All four modes once ran here: six deployments, 247 s of
     a 1639 s suite.)"""
+    from services import launcher
+
     monkeypatch.setenv("PD_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("PD_KV_CACHE_MEMORY_BYTES", str(64 << 20))
+    measured, started = [], []
+    real_crossover, real_up = bench_modes.crossover, launcher.up
+
+    def spy_crossover(*args, **kwargs):
+        measured.append(real_crossover(*args, **kwargs))
+        return measured[-1]
+
+    def spy_up(settings, *args, **kwargs):
+        started.append(settings)
+        return real_up(settings, *args, **kwargs)
+
+    monkeypatch.setattr(bench_modes, "crossover", spy_crossover)
+    monkeypatch.setattr(launcher, "up", spy_up)
     bench_modes.main(["--requests", "6", "--rate", "4", "--short", "16", "--long", "200", "--output-tokens", "6",
                              "--lengths", "16,200", "--modes", "conditional", "--out", str(tmp_path), "--quiet"])
     data = json.loads((tmp_path / "report.json").read_text())
@@ -45,7 +60,16 @@ def test_modes_comparison_measures_the_crossover_and_feeds_it_to_conditional_rou
     md = (tmp_path / "report.md").read_text()
     assert "Crossover:" in md and "hand-off" in md
     crossover = int(md.split("Crossover: ")[1].split(" tokens")[0])
-    assert crossover in (16, 200)  # one of the measured lengths (the longest when none pays)
+    # the rule on the measured rows: the first length whose stall exceeds its hand-off, else the longest
+    (found, rows), = measured
+    assert [r["prompt_tokens"] for r in rows] == [16, 200]
+    assert all(r["ttft_aggregated_s"] > 0 and r["ttft_disaggregated_s"] > 0 for r in rows), rows
+    want = next((r["prompt_tokens"] for r in rows if r["stall_s"] > r["handoff_s"]), 200)
+    assert crossover == found == want, rows
+    # three deployments (aggregated, disaggregated, then the conditional mode): the last one's
+    # router (the tokenizer's settings, passed to its process as PD_* variables) got the value
+    assert [s.routing for s in started] == ["aggregated", "disaggregated", "conditional"]
+    assert started[-1].to_env()["PD_ROUTER_LOCAL_MAX_TOKENS"] == str(crossover)
 
 
 def test_every_mode_plan_is_a_valid_deployment():

@@ -105,3 +105,29 @@ def test_log_lines_of_a_request_carry_its_id(traced):
     mine = [d for d in done if d["request_id"].startswith(rid)]
     assert {d["service"] for d in mine} == {"tokenizer", "prefill", "decode"}
     assert all("request_id" in d for d in done)
+
+
+def test_gateway_metrics_over_http_count_each_request(traced):
+    """The README's ``GET /metrics`` on the gateway's own port, through the real HTTP server:
+    Prometheus text, and one more completed chat request moves its counters by one (and its
+    TTFT and end-to-end histograms by one observation each)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    dep, _ = traced
+
+    def scrape(client) -> dict[tuple[str, tuple], float]:
+        resp = client.get("/metrics")
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain"), resp.headers
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(resp.text) for s in family.samples}
+
+    ok = ("pd_gateway_requests_total", (("endpoint", "chat"), ("outcome", "ok")))
+    ttft, e2e = ("pd_gateway_ttft_seconds_count", ()), ("pd_gateway_e2e_seconds_count", ())
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Count me"}], "max_tokens": 4,
+            "temperature": 0}
+    with httpx.Client(base_url=dep.url, timeout=60) as client:
+        before = scrape(client)
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        after = scrape(client)
+    assert after[ok] == before.get(ok, 0.0) + 1
+    assert after[ttft] == before.get(ttft, 0.0) + 1 and after[e2e] == before.get(e2e, 0.0) + 1

@@ -41,7 +41,24 @@ def test_official_client_sync_streamed_and_not(oai, tiny_model):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     comp = oai.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0)
-    assert comp.object == "text_completion" and comp.usage.completion_tokens <= 5
+    want, want_ids, n_prompt = reference_completion(tiny_model, "The quick brown fox", 5)
+    assert comp.object == "text_completion" and comp.choices[0].text == want
+    assert comp.usage.prompt_tokens == n_prompt and comp.usage.completion_tokens == len(want_ids)
+
+
+def reference_completion(tiny_model, prompt: str, max_tokens: int) -> tuple[str, list[int], int]:
+    """(text, token ids, prompt tokens) of transformers' greedy generate for a raw prompt, encoded
+    as /v1/completions encodes it (with the tokenizer's special tokens)."""
+    import torch
+
+    _, ref, tok = tiny_model
+    ids = tok.encode(prompt)
+    eos = ref.generation_config.eos_token_id
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    gen = out[0, len(ids):].tolist()
+    return tok.decode(gen, skip_special_tokens=True), gen, len(ids)
 
 
 def test_official_client_async_streamed_and_not(aoai, tiny_model):

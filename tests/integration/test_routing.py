@@ -4,13 +4,14 @@ prefill worker) — both still token-identical to transformers' greedy output.""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
 import pytest
 
 from tests.integration.test_pipeline import chat_body, reference_text
-from tests.pipeline_fixture import deployment, heartbeats, metric_value
+from tests.pipeline_fixture import deployment, heartbeats, log_tail, metric_value
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -51,12 +52,21 @@ def test_conditional_routing_sends_short_prompts_local_and_long_ones_remote(tmp_
             assert body["choices"][0]["message"]["content"] == expected
         live = heartbeats(dep.settings)
         tok = next(h for h in live.values() if h.stage == "tokenizer")
-        # the long prompt is over the local limit: remote whatever the measured rates; a short one
-        # goes local when its estimated cost is not higher, which depends on rates measured on
-        # this machine (tests/unit/test_router.py checks that rule with given rates)
+        # in order: the first short prompt meets workers that have measured no rate yet (rates
+        # are measured on steps of 32 tokens or more), so both sides cost the default rate and
+        # the hop overhead makes local cheaper: local, whatever this machine's speed; the long
+        # prompt is over the local limit: remote. The second short prompt goes local when its
+        # estimated cost is not higher, which depends on the rates measured here since
+        # (tests/unit/test_router.py checks that rule with given rates).
+        routes = [json.loads(line) for line in log_tail(dep, "tokenizer", chars=1 << 22).splitlines()
+                  if '"event": "route"' in line]
+        assert [r["target"] for r in routes[:2]] == ["local", "remote"], routes
+        assert "longer than the local limit" in routes[1]["reason"], routes[1]
+        assert len(routes) == 3, routes
         local = metric_value(tok.metrics_port, "pd_router_decisions_total", 'target="local"')
         remote = metric_value(tok.metrics_port, "pd_router_decisions_total", 'target="remote"')
-        assert local + remote == 3 and remote >= 1
+        assert (local, remote) == (sum(r["target"] == "local" for r in routes), sum(r["target"] == "remote" for r in routes))
+        assert local >= 1 and remote >= 1
         prefill = next(h for h in live.values() if h.stage == "prefill")
         # one task per remote decision (a JetStream redelivery while it runs counts as "duplicate")
         assert metric_value(prefill.metrics_port, "pd_prefill_tasks_total", 'outcome="ok"') == remote

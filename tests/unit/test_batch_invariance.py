@@ -31,12 +31,18 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 BLOCK_DOT = {"dot": "float32"}
 
 
-@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8", "Q4_1 bf16"])
+#: the emulated case compiles two test builds of its own (minutes on 2 cores) and multiplies in scalar code
+EMULATED = pytest.param("Q4_1 bf16-emulated", marks=[pytest.mark.slow, pytest.mark.timeout(1800)])
+
+
+@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8", "Q4_1 bf16", EMULATED])
 def bf16_model(request, tiny_model_dir):
     """The tiny model in bfloat16 with float weights (the mode's unfused path) and with GGUF-style
     Q4_1 blocks (the default model's storage: every step through the fused per-row path), with
     the float32 block loops, with int8 activations (PD_BLOCK_DOT=int8, auto on AVX2 CPUs) and
-    with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs only)."""
+    with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs only; skipped
+    elsewhere), and the same through the test builds that emulate the AVX512-BF16 instructions
+    in scalar code (``PDQ_BF16_EMULATE``), so the engine's bf16 path runs on any CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.model.weights import quantize_float
@@ -47,10 +53,25 @@ def bf16_model(request, tiny_model_dir):
                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
     if request.param != "float":
         assert quantize_float(model, request.param.split()[0])["int4"] > 0
-    BLOCK_DOT["dot"] = request.param.split()[1] if " " in request.param else "float32"
-    if BLOCK_DOT["dot"] == "bf16" and not bf16_dot_available(torch.bfloat16):
-        pytest.skip("this CPU has no AVX512-BF16")
-    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+    dot = request.param.split()[1] if " " in request.param else "float32"
+    emulated = dot == "bf16-emulated"
+    BLOCK_DOT["dot"] = "bf16" if emulated else dot
+    with pytest.MonkeyPatch.context() as mp:
+        if emulated:
+            import engine.model.batch_invariant as engine_invariant
+            import engine.model.quant as engine_quant
+            from kernels.cpu import quant
+
+            if not quant.available():
+                pytest.skip("no AVX2/FMA CPU for the block kernels")
+            for module in (engine_quant, engine_invariant):  # both call the block kernel's build
+                mp.setattr(module, "_kernel", lambda: quant.load(emulate_bf16=True))
+            real_fused = quant.load_fused
+            mp.setattr(quant, "load_fused", lambda emulate_bf16=True: real_fused(emulate_bf16=True))
+            assert bf16_dot_available(torch.bfloat16)
+        elif BLOCK_DOT["dot"] == "bf16" and not bf16_dot_available(torch.bfloat16):
+            pytest.skip("this CPU has no AVX512-BF16 (the 'bf16-emulated' case runs the same path)")
+        yield model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def make_engine(model, invariant=True, **overrides) -> LLMEngine:

@@ -94,6 +94,9 @@ def test_same_message_id_is_queued_once(make_bus):
 
 
 def test_unacked_item_is_redelivered_after_ack_wait_unless_in_progress(make_bus):
+    """``a`` is held and forgotten: redelivered after ack_wait. ``b``'s worker reports progress
+    every quarter of ack_wait, as a live worker does: never redelivered while it does (each
+    report restarts its clock, so the margin is three quarters of ack_wait, not a race)."""
     async def go():
         bus = await make_bus()
         q = make_bus.protocol.decode
@@ -101,12 +104,21 @@ def test_unacked_item_is_redelivered_after_ack_wait_unless_in_progress(make_bus)
         await bus.publish_work(q, task("b"), "b")
         held = {decode_as(d.data, TokenizeTask).meta.request_id: d for d in await bus.pull(q, 2, timeout_s=1.0)}
         assert set(held) == {"a", "b"}
-        await asyncio.sleep(ACK_WAIT_S * 0.6)
-        await held["b"].in_progress()  # b's worker is alive: its clock restarts
-        again = await bus.pull(q, 2, timeout_s=ACK_WAIT_S * 0.9)
-        assert [decode_as(d.data, TokenizeTask).meta.request_id for d in again] == ["a"]
-        assert again[0].num_delivered == 2
-        await again[0].term()  # never again
+
+        async def keep_b_alive() -> None:
+            while True:
+                await held["b"].in_progress()
+                await asyncio.sleep(ACK_WAIT_S / 4)
+
+        alive = asyncio.create_task(keep_b_alive())
+        try:
+            again = await bus.pull(q, 1, timeout_s=ACK_WAIT_S * 3)
+            assert [decode_as(d.data, TokenizeTask).meta.request_id for d in again] == ["a"]
+            assert again[0].num_delivered == 2
+            await again[0].term()  # never again
+            assert await bus.pull(q, 2, timeout_s=ACK_WAIT_S * 1.5) == []  # b still in progress
+        finally:
+            alive.cancel()
         await held["b"].ack()
         assert await bus.pull(q, 2, timeout_s=ACK_WAIT_S * 1.5) == []
         await bus.close()

@@ -18,6 +18,9 @@ from engine.model.weights import quantize_float
 from engine.model_runner import AttentionMetadata
 from shared.messages import SamplingParams
 
+#: the scalar model of the AVX512-BF16 loops: a test build of its own (a minute or more to compile on
+#: 2 cores, again whenever kernels/cpu changes), so `make test-fast` leaves it out
+EMULATED = pytest.param("bf16-emulated", marks=pytest.mark.slow)
 pytestmark = pytest.mark.skipif(not fused_decode.kernel_available(), reason="no AVX2/FMA CPU")
 
 BLOCK = 4
@@ -164,7 +167,7 @@ def test_a_quantized_head_gives_float32_logits_in_a_bfloat16_model(tiny_model):
 
 
 @pytest.mark.timeout(900)  # the emulated build compiles an extension of its own
-@pytest.mark.parametrize("path", ["bf16", "bf16-emulated"])
+@pytest.mark.parametrize("path", ["bf16", EMULATED])
 def test_bf16_dot_products_in_a_bfloat16_model_keep_rows_independent(tiny_model, path):
     """A bfloat16 model's fused step multiplies with bf16 dot products (x and weights rounded
     to bf16, float32 sums; a float32 model keeps the float32 loops): each token's logits and KV

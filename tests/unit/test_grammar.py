@@ -144,10 +144,34 @@ def test_a_schema_at_the_entry_limit_compiles_and_a_tool_needs_object_parameters
 
     wide = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(MAX_SCHEMA_ENTRIES)}}
     assert schema_grammar(wide, "response_format")
+    wider = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(MAX_SCHEMA_ENTRIES + 1)}}
+    with pytest.raises(InvalidRequest, match=f"{MAX_SCHEMA_ENTRIES + 1} entries"):
+        schema_grammar(wider, "response_format")
     with pytest.raises(InvalidRequest) as info:
         check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
     assert info.value.param == "tools"
     check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+def test_a_schema_at_the_entry_limit_generates_output_that_matches_it(engine, tiny_model):
+    """At MAX_SCHEMA_ENTRIES properties the grammar still generates, not only compiles (past
+    llguidance's limit the output ended after "{"): the last property is required, so every
+    output has to carry the parser through the whole object; greedy and sampled."""
+    from shared.structured import MAX_SCHEMA_ENTRIES
+
+    last = f"k{MAX_SCHEMA_ENTRIES - 1}"
+    wide = {"type": "object", "additionalProperties": False, "required": [last],
+            "properties": {f"k{i}": {"type": "integer", "minimum": 0, "maximum": 9} for i in range(MAX_SCHEMA_ENTRIES)}}
+    grammar = schema_grammar(wide, "response_format")
+    tok = tiny_model[2]
+    params = [SamplingParams(max_tokens=300, temperature=0, grammar=grammar)] + [
+        SamplingParams(max_tokens=300, temperature=1.0, seed=s, grammar=grammar) for s in range(3)]
+    for seq in engine.generate([tok.encode("Hello world")] * len(params), params):
+        text = _text(tok, seq)
+        assert seq.finish_reason == "stop", text
+        value = json.loads(text)
+        jsonschema.validate(value, wide)
+        assert last in value, text
 
 
 @pytest.mark.parametrize("schema,keyword", [({"type": "array", "uniqueItems": True}, "uniqueItems"),

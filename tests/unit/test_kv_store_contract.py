@@ -89,3 +89,18 @@ def test_shm_capacity_evicts_soonest_expiring_blocks(tmp_path):
     s.put({tail_key("t"): b"t" * 100}, ttl_s=5)  # over the cap: the block that expires soonest goes
     assert s.list_keys() == sorted([new, tail_key("t")])
     assert s.staged_bytes() == 200
+
+
+def test_shm_capacity_keeps_a_block_a_prefill_reused(tmp_path):
+    """PD_KV_STORE_MAX_BYTES as documented: with one lease for every block, the soonest-expiring
+    is the least recently staged or reused (a prefill that reuses a block renews its lease,
+    services/prefill/worker.py), so a reused old block outlives a newer one nobody reused."""
+    from shared.kv.shm import ShmKVStore
+
+    s = ShmKVStore(tmp_path / "cap", max_bytes=250)
+    first, second, third = (block_key(os.urandom(32), "float32") for _ in range(3))
+    s.put({first: b"a" * 100}, ttl_s=60)
+    s.put({second: b"b" * 100}, ttl_s=60)
+    assert s.touch([first], ttl_s=60) == [True]  # reused
+    s.put({third: b"c" * 100}, ttl_s=60)  # over the cap: one block goes
+    assert s.list_keys() == sorted([first, third])

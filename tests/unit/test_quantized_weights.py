@@ -15,6 +15,9 @@ from engine.model.weights import apply_weights, quantize_float
 from loadtest.quality import compare, quantized_copy
 from tests.tiny_model import CORPUS, build_tiny_model
 
+#: the scalar model of the AVX512-BF16 loops: a test build of its own (a minute or more to compile on
+#: 2 cores, again whenever kernels/cpu changes), so `make test-fast` leaves it out
+EMULATED = pytest.param("bf16-emulated", marks=pytest.mark.slow)
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 
@@ -51,7 +54,7 @@ def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool, int8: boo
 
 
 @pytest.mark.timeout(900)  # the emulated build compiles an extension of its own
-@pytest.mark.parametrize("path", ["float32", "int8", "bf16", "bf16-emulated"])
+@pytest.mark.parametrize("path", ["float32", "int8", "bf16", EMULATED])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path):
     """The kernel widens groups in registers up to four rows of x and into an L1 buffer above;
@@ -72,7 +75,7 @@ def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path)
     assert _kernel_rows(layer, x[:0], ext, bf16, int8).shape == (0, 30)
 
 
-@pytest.mark.parametrize("path", ["bf16", "bf16-emulated"])
+@pytest.mark.parametrize("path", ["bf16", EMULATED])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
     """bf16 dot products: x and the de-quantized weights rounded to bf16 as torch's
