@@ -222,11 +222,18 @@ def tool_call_schema(tools: list[dict], parallel: bool) -> dict:
         parallel: more than one call allowed.
     """
     calls = []
-    for tool in tools:
+    defs: dict = {}
+    for i, tool in enumerate(tools):
         fn = tool["function"]
+        arguments = fn.get("parameters") or ANY_OBJECT
+        if _has_local_ref(arguments):
+            # its "#/..." references mean its own root: it moves under the array schema's $defs
+            # and they are rewritten to point there ("#/$defs/City" → "#/$defs/tool0/$defs/City")
+            defs[f"tool{i}"] = _rebase_refs(arguments, f"#/$defs/tool{i}")
+            arguments = {"$ref": f"#/$defs/tool{i}"}
         calls.append({
             "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or ANY_OBJECT},
+            "properties": {"name": {"const": fn["name"]}, "arguments": arguments},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
@@ -234,7 +241,41 @@ def tool_call_schema(tools: list[dict], parallel: bool) -> dict:
     schema: dict = {"type": "array", "items": item, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+#: Keywords whose values are data, not subschemas (never walked for ``$ref``).
+_VALUES = ("enum", "const", "default", "examples")
+
+
+def _has_local_ref(node) -> bool:
+    if isinstance(node, list):
+        return any(_has_local_ref(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        return True
+    return any(_has_local_ref(v) for k, v in node.items() if k not in _VALUES)
+
+
+def _rebase_refs(node, base: str):
+    """``node`` with its JSON-pointer ``$ref`` s (``#``, ``#/...``) made relative to ``base``."""
+    if isinstance(node, list):
+        return [_rebase_refs(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _VALUES:
+            out[key] = value
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
 
 
 def check_tools(tools: list[dict]) -> None:

@@ -55,6 +55,8 @@ def load_trace(name: str, n: int, max_prompt: int, max_output: int, rate: float 
         reqs = traces.mooncake("mooncake_conversation.jsonl", n, sc)
     elif name.startswith("poisson"):
         mix = [(int(a), float(b)) for a, b in (x.split(":") for x in (name.partition(":")[2] or "128:0.8,1024:0.2").split(","))]
+        if any(a < 1 or not 0 <= b < math.inf for a, b in mix):
+            raise ValueError("lengths must be at least 1 and weights non-negative")
         return traces.synthetic(n, rate or 1.0, mix, max_output, seed=seed)
     else:
         raise ValueError(f"unknown trace {name!r} (azure-conv, azure-code, mooncake, poisson:LEN:W,...)")
@@ -221,16 +223,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emit", choices=("k8s",), default=None)
     p.add_argument("--out", default="plan-k8s", help="--emit k8s: the overlay folder")
     args = p.parse_args(argv or [])
+    for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot), ("--slo-itl", args.slo_itl)):
+        if value is not None and not (0 < value < math.inf):
+            p.error(f"{flag} must be a positive number of seconds, not {value}")
+    if not 0 < args.attainment <= 1:
+        p.error(f"--attainment must be a share in (0, 1], not {args.attainment}")
+    for flag, value in (("--requests", args.requests), ("--max-workers", args.max_workers),
+                        ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--max-prompt", args.max_prompt), ("--max-output", args.max_output)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, not {value}")
+    if not 0 <= args.rate < math.inf:
+        p.error(f"--rate must be 0 (the trace's own arrivals) or a positive req/s, not {args.rate}")
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in ("aggregated", "disaggregated", "conditional")]
+    if unknown:
+        p.error(f"--modes: unknown mode {unknown[0]!r} (aggregated, disaggregated, conditional)")
     try:
         profile = Profile.load(args.profile)
+    except (OSError, ValueError) as exc:
+        p.error(f"--profile: {exc}")
+    except (AttributeError, TypeError):  # JSON, but not an object of a profile's fields
+        p.error(f"--profile: {args.profile} is not a profile file")
+    try:
         reqs = load_trace(args.trace, args.requests, args.max_prompt, args.max_output, args.rate)
     except (OSError, ValueError) as exc:
-        print(f"pdserve plan: {exc}")
-        return 2
+        if args.trace.startswith("poisson") and "unknown trace" not in str(exc):
+            exc = f"bad trace {args.trace!r} ({exc}): poisson:LEN:W,LEN:W with token lengths and positive weights"
+        p.error(f"--trace: {exc}")
     base = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk_tokens=args.chunk, local_max_tokens=args.local_max_tokens)
     res = plan(reqs, profile, args.slo_ttft, args.slo_tpot, attainment=args.attainment, slo_itl=args.slo_itl,
-               percentile=args.percentile, max_workers=args.max_workers, modes=args.modes.split(","), base=base)
+               percentile=args.percentile, max_workers=args.max_workers, modes=modes, base=base)
     if res["best"] is None:
         print(f"pdserve plan: no topology up to {args.max_workers} workers meets the SLOs")
         return 1

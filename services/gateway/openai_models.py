@@ -313,6 +313,13 @@ def _is_union_tag(part) -> bool:
         "[" in part or part in _model_names() or part in ("str", "int", "float", "bool", "dict", "list", "none"))
 
 
+def _type_parts(err: dict) -> tuple:
+    """The parts of an error's location that may name a union member: all but an unknown
+    field's own name (``extra_forbidden``: the client's key, whatever it spells, "str" or "a[b]")."""
+    loc = tuple(err.get("loc", ()))
+    return loc[:-1] if err.get("type") == "extra_forbidden" else loc
+
+
 def _message(err: dict) -> str:
     if err.get("type") in _OBJECT_EXPECTED:
         return "Input should be a JSON object"
@@ -327,10 +334,10 @@ def _best_error(errors: list[dict]) -> tuple[dict, str]:
     member's expectation ("... or a JSON object")."""
     first = errors[0]
     loc = tuple(first.get("loc", ()))
-    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    tag = next((i for i, part in enumerate(_type_parts(first)) if _is_union_tag(part)), None)
     if tag is None:
         return first, _message(first)
-    rivals = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag] and len(e.get("loc", ())) > tag
+    rivals = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag] and len(_type_parts(e)) > tag
               and _is_union_tag(e["loc"][tag])]
     best = max(rivals, key=lambda e: len(e["loc"]), default=first)  # max keeps the first of equals
     if len(best["loc"]) > tag + 1 or best.get("type") == "missing":
@@ -344,10 +351,11 @@ def validation_error_to_invalid(exc: ValidationError) -> InvalidRequest:
     in the client's terms (JSON types, never pdserve's class names)."""
     err, msg = _best_error(exc.errors())
     param = ""
-    for part in err.get("loc", ()):
+    typed = len(_type_parts(err))
+    for i, part in enumerate(err.get("loc", ())):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif _is_union_tag(part):
+        elif i < typed and _is_union_tag(part):
             continue  # pydantic's name for a union member, not a field
         else:
             param += ("." if param else "") + str(part)

@@ -296,3 +296,38 @@ def test_validation_messages_speak_json_not_class_names(extra, param):
                 "StreamOptions", "Tool", "literal[", "instance of")
     assert not any(name in err.message for name in internal), err.message
     assert err.message.startswith(("Invalid value for", "Missing required parameter"))
+
+
+@pytest.mark.parametrize("key", ["str", "list", "none", "a[b]", "Tool", "ChatMessageIn"])
+def test_unknown_argument_named_like_a_type_is_named_back(key):
+    """An unknown key is the client's word, even when it spells a type name pydantic uses for
+    union members ("str", "list[...]", a model class): it is the param, not dropped."""
+    for body, param in (({"model": "m", "messages": ASK, key: 1}, key),
+                        ({"model": "m", "messages": [{"role": "user", "content": "hi", key: 1}]}, f"messages[0].{key}")):
+        with pytest.raises(ValidationError) as info:
+            ChatCompletionRequest.model_validate(body)
+        err = validation_error_to_invalid(info.value)
+        assert (err.param, err.code) == (param, "unrecognized_parameter"), err.message
+        assert err.message == f"Unrecognized request argument supplied: {param}"
+
+
+# --- required calls of tools whose parameters use $defs / $ref ---------------------------------
+def test_required_with_parameters_that_refer_to_their_own_defs(accepts):
+    """``$ref`` s in a tool's parameters mean that schema's root (pydantic-made schemas use
+    ``$defs``); in the ``required`` array schema they used to dangle (a 400, "Pointer
+    '/$defs/City' does not exist")."""
+    city = {"type": "object", "$defs": {"City": {"type": "object", "properties": {"n": {"type": "string"}}}},
+            "properties": {"c": {"$ref": "#/$defs/City"}}}
+    count = {"type": "object", "$defs": {"City": {"type": "integer"}},
+             "properties": {"c": {"$ref": "#/$defs/City"}, "again": {"$ref": "#"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": city}},
+             {"type": "function", "function": {"name": "g", "parameters": count}}]
+    grammar = tool_grammar(tools, "required", True)
+    assert accepts(grammar, '[{"name": "f", "arguments": {"c": {"n": "x"}}}]')
+    assert accepts(grammar, '[{"name": "g", "arguments": {"c": 5, "again": {"c": 3}}}]')
+    assert not accepts(grammar, '[{"name": "f", "arguments": {"c": 5}}]')  # each tool's own City
+    assert not accepts(grammar, '[{"name": "f", "arguments": {"c": {"n": "x", "z": 1}}}]')  # closed through $ref
+    assert accepts(tool_grammar(tools, "required", True, closed=False), '[{"name": "f", "arguments": {"c": {"n": "x", "z": 1}}}]')
+    strict = tool_grammar(tools, "required", True, closed=False, strict=frozenset({"f"}))
+    assert not accepts(strict, '[{"name": "f", "arguments": {"c": {"n": "x", "z": 1}}}]')
+    assert count["properties"]["again"] == {"$ref": "#"}  # the request's schema is not changed

@@ -205,6 +205,34 @@ def test_plan_and_simulate_commands(tmp_path, capsys):
     assert "unknown trace" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("bad,says", [
+    (["--slo-ttft", "-1"], "--slo-ttft"), (["--slo-ttft", "0"], "--slo-ttft"), (["--slo-tpot", "0"], "--slo-tpot"),
+    (["--slo-tpot", "nan"], "--slo-tpot"), (["--attainment", "1.5"], "--attainment"), (["--attainment", "0"], "--attainment"),
+    (["--slo-itl", "-1"], "--slo-itl"), (["--requests", "0"], "--requests"), (["--max-workers", "0"], "--max-workers"),
+    (["--rate", "-2"], "--rate"), (["--modes", "ring"], "--modes"), (["--trace", "nope"], "unknown trace"),
+    (["--trace", "poisson:abc"], "poisson:LEN:W"), (["--trace", "poisson:0:1"], "poisson:LEN:W"),
+    (["--trace", "poisson:128:0"], "poisson:LEN:W"), (["--profile", "/nonexistent/p.json"], "--profile"),
+    (["--profile", "LIST"], "not a profile file"),
+])
+def test_plan_refuses_bad_arguments_before_searching(bad, says, tmp_path, capsys):
+    """Bad SLOs, attainment, sizes, modes, traces or profile files exit 2 with argparse's
+    message before any simulation (they used to search up to 64 workers, or raise)."""
+    from pathlib import Path
+
+    from sim import plan as plan_cmd
+
+    prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")
+    (tmp_path / "list.json").write_text("[1]")
+    bad = [str(tmp_path / "list.json") if x == "LIST" else x for x in bad]
+    args = {"--profile": prof, "--trace": "poisson:128:1", "--requests": "20", "--slo-ttft": "1", "--slo-tpot": "0.05",
+            "--max-workers": "2"}
+    args.update(dict(zip(bad[::2], bad[1::2])))
+    with pytest.raises(SystemExit) as info:
+        plan_cmd.main([x for kv in args.items() for x in kv])
+    out = capsys.readouterr()
+    assert info.value.code == 2 and says in out.err and "Traceback" not in out.err and "attainment" not in out.out
+
+
 @pytest.mark.parametrize("name", ["a100-llama2-7b", "a100x4-llama2-70b-tp4"])
 def test_cited_profiles_are_what_sim_cited_builds_and_keep_their_figures(name, tmp_path):
     """The committed cited profiles are sim.cited's output (regenerate with ``python -m sim.cited
