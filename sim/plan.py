@@ -201,6 +201,30 @@ def emit_k8s(out: Path, topo: Topology, summary: dict, reqs, profile: Profile, s
     return written
 
 
+def bad_argument(args: argparse.Namespace) -> str | None:
+    """Why the arguments of ``pdserve plan`` or ``pdserve simulate`` cannot work (checked before
+    any simulation), or None. Reads the attributes each command has."""
+    for flag in ("slo_ttft", "slo_tpot", "slo_itl"):
+        value = getattr(args, flag, None)
+        if value is not None and not (0 < value < math.inf):
+            return f"--{flag.replace('_', '-')} must be a positive number of seconds, not {value}"
+    attainment = getattr(args, "attainment", None)
+    if attainment is not None and not 0 < attainment <= 1:
+        return f"--attainment must be a share in (0, 1], not {attainment}"
+    for flag in ("requests", "max_workers", "max_num_seqs", "max_num_batched_tokens", "max_prompt", "max_output",
+                 "repeat", "workers", "prefill", "decode"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, not {value}"
+    if not 0 <= args.rate < math.inf:
+        return f"--rate must be 0 (the trace's own arrivals) or a positive req/s, not {args.rate}"
+    unknown = [m for m in getattr(args, "modes", "aggregated").split(",")
+               if m not in ("aggregated", "disaggregated", "conditional")]
+    if unknown:
+        return f"--modes: unknown mode {unknown[0]!r} (aggregated, disaggregated, conditional)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True, help="a profile file (pdserve profile, docs/profiles/)")
@@ -223,22 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emit", choices=("k8s",), default=None)
     p.add_argument("--out", default="plan-k8s", help="--emit k8s: the overlay folder")
     args = p.parse_args(argv or [])
-    for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot), ("--slo-itl", args.slo_itl)):
-        if value is not None and not (0 < value < math.inf):
-            p.error(f"{flag} must be a positive number of seconds, not {value}")
-    if not 0 < args.attainment <= 1:
-        p.error(f"--attainment must be a share in (0, 1], not {args.attainment}")
-    for flag, value in (("--requests", args.requests), ("--max-workers", args.max_workers),
-                        ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens),
-                        ("--max-prompt", args.max_prompt), ("--max-output", args.max_output)):
-        if value < 1:
-            p.error(f"{flag} must be at least 1, not {value}")
-    if not 0 <= args.rate < math.inf:
-        p.error(f"--rate must be 0 (the trace's own arrivals) or a positive req/s, not {args.rate}")
+    bad = bad_argument(args)
+    if bad:
+        p.error(bad)
     modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in ("aggregated", "disaggregated", "conditional")]
-    if unknown:
-        p.error(f"--modes: unknown mode {unknown[0]!r} (aggregated, disaggregated, conditional)")
     try:
         profile = Profile.load(args.profile)
     except (OSError, ValueError) as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sim.plan import load_trace
+from sim.plan import bad_argument, load_trace
 from sim.profile import Profile
 from sim.simulator import Topology, simulate
 from sim.trace import repeat
@@ -50,12 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="play the trace this many times back to back")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv or [])
+    bad = bad_argument(args)
+    if bad:
+        print(f"pdserve simulate: {bad}")
+        return 2
     try:
         profile = Profile.load(args.profile)
         reqs = load_trace(args.trace, args.requests, args.max_prompt, args.max_output, args.rate)
         reqs = repeat(reqs, args.repeat)
     except (OSError, ValueError) as exc:
         print(f"pdserve simulate: {exc}")
+        return 2
+    except (AttributeError, TypeError):  # JSON, but not an object of a profile's fields
+        print(f"pdserve simulate: {args.profile} is not a profile file")
         return 2
     topo = Topology(mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
                     host_cores=args.host_cores, workers_per_host=args.workers_per_host, max_num_seqs=args.max_num_seqs,

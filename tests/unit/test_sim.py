@@ -254,3 +254,20 @@ def test_cited_profiles_are_what_sim_cited_builds_and_keep_their_figures(name, t
     # the sensitivity rows: a lower utilization makes prefill slower, decode untouched
     slow = build(mfu=0.35)
     assert slow.prefill_s[-1] > fresh.prefill_s[-1] and slow.decode_s == fresh.decode_s
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--slo-ttft", "-1"], "--slo-ttft must be a positive"),
+    (["--rate", "-1"], "--rate must be 0"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+])
+def test_simulate_refuses_bad_arguments_before_simulating(extra, says, capsys, tmp_path):
+    from sim import run as run_cmd
+
+    prof = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / "a100-llama2-7b.json")
+    assert run_cmd.main(["--profile", prof, "--trace", "poisson:128:1", *extra]) == 2
+    assert says in capsys.readouterr().out
+    (tmp_path / "list.json").write_text("[1]")
+    assert run_cmd.main(["--profile", str(tmp_path / "list.json")]) == 2
+    assert "is not a profile file" in capsys.readouterr().out
