@@ -129,7 +129,7 @@ def http_verdicts(rows) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_http")
+    p = argparse.ArgumentParser(prog="pdserve bench http")
     p.add_argument("--concurrency", default="1,8,32")
     args = p.parse_args(argv)
 

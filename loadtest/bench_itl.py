@@ -192,7 +192,7 @@ def run(dep, settings: Settings, name: str, tokens: int, requests: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_itl")
+    p = argparse.ArgumentParser(prog="pdserve bench itl")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--threads", type=int, default=0,

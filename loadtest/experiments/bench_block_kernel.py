@@ -36,7 +36,7 @@ def _load() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.bench_block_kernel")
+    p = argparse.ArgumentParser(prog="pdserve bench block-kernel")
     p.add_argument("--rows", default="1,4,16,64")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=30)

@@ -28,7 +28,7 @@ from shared.config import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.experiments.bench_decode_paths")
+    p = argparse.ArgumentParser(prog="pdserve bench decode-paths")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--context", type=int, default=512)

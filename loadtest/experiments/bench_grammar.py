@@ -87,7 +87,7 @@ def run(backend: GrammarBackend, hf_tokenizer, batch: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdserve bench grammar", description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", help="model folder (default: the served model, PD_MODEL or SmolLM2)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=60)
