@@ -340,8 +340,14 @@ def _best_error(errors: list[dict]) -> tuple[dict, str]:
     rivals = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag] and len(_type_parts(e)) > tag
               and _is_union_tag(e["loc"][tag])]
     best = max(rivals, key=lambda e: len(e["loc"]), default=first)  # max keeps the first of equals
-    if len(best["loc"]) > tag + 1 or best.get("type") == "missing":
+    if best.get("type") == "missing":
         return best, _message(best)
+    if len(best["loc"]) > tag + 1:
+        # members the input got equally far into (``prompt: [1.5]``: a list, but of strings, of
+        # token ids or of lists?) are all named, not the first alone
+        tied = [e for e in rivals if len(e["loc"]) == len(best["loc"]) and e["loc"][tag + 1:] == best["loc"][tag + 1:]]
+        expected = [_message(e).removeprefix("Input should be ") for e in tied]
+        return best, "Input should be " + " or ".join(dict.fromkeys(expected))
     expected = [_message(e).removeprefix("Input should be ") for e in rivals if len(e["loc"]) == tag + 1]
     return best, "Input should be " + " or ".join(dict.fromkeys(expected))
 

@@ -331,3 +331,21 @@ def test_required_with_parameters_that_refer_to_their_own_defs(accepts):
     strict = tool_grammar(tools, "required", True, closed=False, strict=frozenset({"f"}))
     assert not accepts(strict, '[{"name": "f", "arguments": {"c": {"n": "x", "z": 1}}}]')
     assert count["properties"]["again"] == {"$ref": "#"}  # the request's schema is not changed
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ([1.5], ["a valid string", "a valid integer", "a valid list"]),
+    ([10**12], ["a valid string", "less than or equal to", "a valid list"]),
+])
+def test_a_prompt_list_that_fits_no_kind_names_every_kind(prompt, expected):
+    """``prompt: [1.5]`` is a list, but of strings, token ids or lists? The message names every
+    kind the input got equally far into, not the first one (which read "should be a valid string")."""
+    from pydantic import ValidationError
+
+    from services.gateway.openai_models import CompletionRequest, validation_error_to_invalid
+
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    err = validation_error_to_invalid(info.value)
+    assert err.status == 400 and err.param == "prompt[0]"
+    assert all(part in err.message for part in expected), err.message
