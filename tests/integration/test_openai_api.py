@@ -10,7 +10,14 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_pipeline import chat_body, error_of, read_sse, reference_text, stream_chat
+from tests.integration.test_pipeline import (
+    chat_body,
+    error_of,
+    greedy_reference,
+    read_sse,
+    reference_text,
+    stream_chat,
+)
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-llama"
@@ -47,18 +54,9 @@ def test_official_client_sync_streamed_and_not(oai, tiny_model):
 
 
 def reference_completion(tiny_model, prompt: str, max_tokens: int) -> tuple[str, list[int], int]:
-    """(text, token ids, prompt tokens) of transformers' greedy generate for a raw prompt, encoded
-    as /v1/completions encodes it (with the tokenizer's special tokens)."""
-    import torch
-
-    _, ref, tok = tiny_model
-    ids = tok.encode(prompt)
-    eos = ref.generation_config.eos_token_id
-    with torch.inference_mode():
-        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                           max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-    gen = out[0, len(ids):].tolist()
-    return tok.decode(gen, skip_special_tokens=True), gen, len(ids)
+    """:func:`greedy_reference` for a raw prompt, encoded as /v1/completions encodes it (with the
+    tokenizer's special tokens)."""
+    return greedy_reference(tiny_model, tiny_model[2].encode(prompt), max_tokens)
 
 
 def test_official_client_async_streamed_and_not(aoai, tiny_model):

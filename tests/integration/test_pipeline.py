@@ -22,17 +22,22 @@ PROMPTS = [
 ]
 
 
-def reference_text(tiny_model, content: str, max_tokens: int) -> tuple[str, list[int], int]:
-    """(text, token ids, prompt tokens) of transformers' greedy generate for a chat prompt."""
+def greedy_reference(tiny_model, ids: list[int], max_tokens: int) -> tuple[str, list[int], int]:
+    """(text, token ids, prompt tokens) of transformers' greedy generate after prompt ``ids``."""
     _, ref, tok = tiny_model
-    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-    ids = tok.encode(text, add_special_tokens=False)
     eos = ref.generation_config.eos_token_id
     with torch.inference_mode():
         out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                            max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     gen = out[0, len(ids):].tolist()
     return tok.decode(gen, skip_special_tokens=True), gen, len(ids)
+
+
+def reference_text(tiny_model, content: str, max_tokens: int) -> tuple[str, list[int], int]:
+    """:func:`greedy_reference` for a chat prompt (the chat template applied)."""
+    tok = tiny_model[2]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return greedy_reference(tiny_model, tok.encode(text, add_special_tokens=False), max_tokens)
 
 
 def chat_body(content: str, **kw) -> dict:
