@@ -226,10 +226,11 @@ def tool_call_schema(tools: list[dict], parallel: bool) -> dict:
     for i, tool in enumerate(tools):
         fn = tool["function"]
         arguments = fn.get("parameters") or ANY_OBJECT
-        if _has_local_ref(arguments):
+        rebased = _rebase_refs(arguments, f"#/$defs/tool{i}")
+        if rebased != arguments:
             # its "#/..." references mean its own root: it moves under the array schema's $defs
             # and they are rewritten to point there ("#/$defs/City" → "#/$defs/tool0/$defs/City")
-            defs[f"tool{i}"] = _rebase_refs(arguments, f"#/$defs/tool{i}")
+            defs[f"tool{i}"] = rebased
             arguments = {"$ref": f"#/$defs/tool{i}"}
         calls.append({
             "type": "object",
@@ -248,17 +249,6 @@ def tool_call_schema(tools: list[dict], parallel: bool) -> dict:
 
 #: Keywords whose values are data, not subschemas (never walked for ``$ref``).
 _VALUES = ("enum", "const", "default", "examples")
-
-
-def _has_local_ref(node) -> bool:
-    if isinstance(node, list):
-        return any(_has_local_ref(item) for item in node)
-    if not isinstance(node, dict):
-        return False
-    ref = node.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        return True
-    return any(_has_local_ref(v) for k, v in node.items() if k not in _VALUES)
 
 
 def _rebase_refs(node, base: str):
