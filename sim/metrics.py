@@ -33,6 +33,7 @@ class SimResult:
     preemptions: int = 0
     cpu_s: float = 0.0
     gap_r: list[int] | None = None  # the request of each gap
+    kv: dict | None = None  # the KV hand-off's seconds: store puts, gets, waits for the store, engine imports
 
     def only(self, keep: list[bool]) -> SimResult:
         """The same run counting only requests ``i`` with ``keep[i]`` (e.g. those a measured
@@ -109,4 +110,5 @@ def summarize(r: SimResult, slo_ttft_s: float, slo_tpot_s: float) -> dict:
         "cpu_seconds": r.cpu_s,
         "sim_requests_per_cpu_s": len(arrival) / max(r.cpu_s, 1e-9),
         "events": r.events,
+        "kv": r.kv or {},
     }

@@ -21,6 +21,16 @@ NVIDIA Dynamo ``docs/architecture/sla_planner.md``):
 * a mixed step (chunked prefill beside decodes): ``prefill(...) + decode(B) − step_fixed_s``
   (the fixed per-step cost — weights read once, Python overhead — is paid once).
 
+KV hand-off model (what ``services/prefill/worker.py`` and ``services/decode/worker.py`` do):
+
+* the prefill worker stages a prompt's KV **in a thread** (``asyncio.to_thread(KVStager.stage)``):
+  its engine goes on stepping; the put is a job on the store's FIFO server (:class:`StoreCost`),
+  writing only the full blocks the store does not hold yet, plus the prompt's tail;
+* the decode worker reads the blocks it lacks **in a thread** (``_load_kv``), again a job on
+  the store's server;
+* the decode worker imports them into its pool (``admit_with_kv``) **on the engine thread**:
+  ``kv_import_fixed_s + kv_import_s_per_byte · bytes`` delays that worker's next step.
+
 The interpolations are tabulated once per integer argument (:meth:`CostModel.decode_step`
 is a list lookup), since the simulator asks for them millions of times.
 """
@@ -34,6 +44,41 @@ from pathlib import Path
 import numpy as np
 
 VERSION = 1
+
+#: The KV store kinds a deployment can use (``PD_KV_STORE``; ``network`` is a point-to-point
+#: transfer over the workers' links, as NIXL or Mooncake's transfer engine do, which the cited
+#: GPU profiles assume; pdserve itself has ``shm`` and ``redis``).
+STORE_KINDS = ("shm", "redis", "network")
+#: Which FIFO servers a store kind has: one per host (``shm``: the host's memory copy), one for
+#: the fleet (``redis``: one single-threaded server), one per worker link (``network``: a put is
+#: queued on the sending worker's link, a get on the receiving worker's).
+STORE_SCOPES = {"shm": "host", "redis": "fleet", "network": "worker"}
+
+
+@dataclass(frozen=True)
+class StoreCost:
+    """One KV store kind's service times (seconds; a FIFO server per :data:`STORE_SCOPES`).
+
+    A put of ``b`` bytes holds its server ``put_fixed_s + put_s_per_byte · b``; a get likewise.
+    ``source`` says where the figures come from.
+    """
+
+    kind: str
+    put_fixed_s: float
+    put_s_per_byte: float
+    get_fixed_s: float
+    get_s_per_byte: float
+    source: str = ""
+
+    @property
+    def scope(self) -> str:
+        return STORE_SCOPES[self.kind]
+
+    def put(self, num_bytes: float) -> float:
+        return self.put_fixed_s + self.put_s_per_byte * num_bytes
+
+    def get(self, num_bytes: float) -> float:
+        return self.get_fixed_s + self.get_s_per_byte * num_bytes
 
 
 
@@ -82,6 +127,15 @@ class Profile:
             (:mod:`sim.calibrate`), replayed to validate against that run; empty = 1.
         host_cores: cores of the host the profile was measured on.
         num_kv_blocks, block_size: one worker's KV pool.
+        kv_store: the store kind a deployment uses unless its topology names another.
+        kv_stores: store kind → its :class:`StoreCost` fields (``put_fixed_s``, ``put_s_per_byte``,
+            ``get_fixed_s``, ``get_s_per_byte``, ``source``); a profile without an entry for
+            ``kv_store`` has it built from ``kv_stage_*`` (the put) with a free get.
+        kv_import_fixed_s, kv_import_s_per_byte: the decode engine thread's cost to place loaded
+            KV in its pool (``admit_with_kv``); None = ``kv_load_*`` (which a measured profile
+            times together with the store's get, so charging it all here is the cautious side).
+        tp_options: tensor-parallel degree → the name of the profile of that many GPUs per
+            worker (for the planner's TP search), where such profiles exist.
         sources: where each cited number comes from (cited profiles), or how it was measured.
     """
 
@@ -116,6 +170,10 @@ class Profile:
     host_cores: int = 0
     num_kv_blocks: int = 4096
     block_size: int = 16
+    kv_store: str = "shm"
+    kv_stores: dict = field(default_factory=dict)
+    kv_import_fixed_s: float | None = None
+    kv_import_s_per_byte: float | None = None
     sources: dict = field(default_factory=dict)
     version: int = VERSION
 
@@ -140,6 +198,35 @@ class Profile:
         except TypeError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
+    def store(self, kind: str = "") -> StoreCost:
+        """The :class:`StoreCost` of store ``kind`` (default: the profile's ``kv_store``).
+
+        Raises:
+            ValueError: an unknown kind, or one this profile has no figures for.
+        """
+        kind = kind or self.kv_store
+        if kind not in STORE_KINDS:
+            raise ValueError(f"unknown KV store {kind!r} ({', '.join(STORE_KINDS)})")
+        if kind in self.kv_stores:
+            return StoreCost(kind=kind, **self.kv_stores[kind])
+        if kind == self.kv_store:
+            return StoreCost(kind, self.kv_stage_fixed_s, self.kv_stage_s_per_byte, 0.0, 0.0,
+                             "kv_stage_* (the put); the get is inside kv_load_*")
+        raise ValueError(f"profile {self.name} has no figures for the {kind} KV store "
+                         f"(it has {', '.join(sorted({self.kv_store, *self.kv_stores}))})")
+
+    def import_cost(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per byte) of the decode engine thread's KV import."""
+        fixed = self.kv_load_fixed_s if self.kv_import_fixed_s is None else self.kv_import_fixed_s
+        per_byte = self.kv_load_s_per_byte if self.kv_import_s_per_byte is None else self.kv_import_s_per_byte
+        return fixed, per_byte
+
+    def digest(self) -> str:
+        """A hash of everything the simulator reads (sweep results are stamped with it)."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
     def scaled(self, compute: float = 1.0, host: float = 1.0) -> Profile:
         """A copy with step times × ``compute`` and host-side CPU costs × ``host`` (a machine
         under another load; used to correct a profile by a fresh measurement)."""
@@ -151,6 +238,10 @@ class Profile:
         for k in ("tokenize_s", "tokenize_s_per_token", "token_cpu_s", "request_cpu_s", "kv_stage_fixed_s",
                   "kv_stage_s_per_byte", "kv_load_fixed_s", "kv_load_s_per_byte"):
             d[k] = d[k] * host
+        for k in ("kv_import_fixed_s", "kv_import_s_per_byte"):
+            d[k] = None if d[k] is None else d[k] * host
+        d["kv_stores"] = {kind: {f: (v * host if isinstance(v, float) else v) for f, v in fields.items()}
+                          for kind, fields in self.kv_stores.items()}
         return Profile(**d)
 
 
@@ -222,6 +313,13 @@ class CostModel:
 
     def kv_load(self, num_tokens: int) -> float:
         return self.p.kv_load_fixed_s + self.p.kv_load_s_per_byte * num_tokens * self.kv_bpt
+
+    def kv_import(self, num_bytes: float) -> float:
+        """Engine-thread seconds to import ``num_bytes`` of loaded KV (0 bytes: nothing to do)."""
+        if num_bytes <= 0:
+            return 0.0
+        fixed, per_byte = self.p.import_cost()
+        return fixed + per_byte * num_bytes
 
     def tokenize(self, num_tokens: int) -> float:
         return self.p.tokenize_s + self.p.tokenize_s_per_token * num_tokens

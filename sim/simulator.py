@@ -4,13 +4,17 @@
 system has (``docs/architecture.md``):
 
     client → gateway → (bus hop) → tokenizer (one FIFO server per replica) → router
-      ├─ remote: (hop) → prefill worker → first token; stage KV → (hop) → decode worker loads it
+      ├─ remote: (hop) → prefill worker → first token; its staging thread puts the KV (a job on
+      │          the store's FIFO server) → (hop) → a decode worker with room fetches the task, its
+      │          thread gets the blocks it lacks (the store's server again), its engine thread
+      │          imports them before its next step
       └─ local:  (hop) → decode/aggregated worker prefills and decodes
     each token: worker step end → (hop) postfilter detokenize → gateway SSE → client
 
 Model workers are :class:`~sim.worker.SimWorker` (the engine's real Scheduler and
 BlockManager); the conditional route is the tokenizer's real :class:`~services.tokenizer.router.Router`
-fed heartbeats built from the simulated workers' state. Workers sit on :class:`Host` s whose
+fed heartbeats built from the simulated workers' state. A pool's work items wait in its stream
+while every worker holds ``max_num_seqs`` (its consumer fetches no more), as JetStream's do. Workers sit on :class:`Host` s whose
 cores they share with the services (the CPU cost per token and per request of the profile).
 
 Outputs (:class:`SimResult`): TTFT, ITL (every gap), TPOT and E2E percentiles, goodput under
@@ -28,7 +32,7 @@ from services.tokenizer.router import Router
 from shared.messages import Heartbeat
 from sim.metrics import SimResult, summarize
 from sim.profile import CostModel, Profile
-from sim.worker import Host, SimWorker, new_seq
+from sim.worker import Host, SimWorker, leading_hits, new_seq
 
 
 @dataclass
@@ -49,6 +53,11 @@ class Topology:
         heartbeat_s: the workers' heartbeat period: how stale the router's view is.
         tokenizers: tokenizer replicas.
         num_kv_blocks: KV blocks per worker (0 = the profile's).
+        kv_store: the KV store kind of the hand-off (``shm``, ``redis``, ``network``; "" = the
+            profile's ``kv_store``).
+        roles: per-role engine settings overriding the ones above: ``{"prefill": {"max_num_seqs":
+            8, "max_prefill_chunk_tokens": 4096}, "decode": {...}}`` (aggregated workers take
+            the ``decode`` entry's: they are the decode pool of an aggregated deployment).
     """
 
     mode: str = "aggregated"
@@ -65,11 +74,29 @@ class Topology:
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
     heartbeat_s: float = 1.0
+    kv_store: str = ""
+    roles: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+
+    def engine(self, role: str) -> dict:
+        """The engine settings of a ``role`` worker (``prefill``, ``decode``, ``aggregated``).
+
+        Raises:
+            ValueError: a role entry naming a setting that is not one.
+        """
+        out = dict(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                   max_prefill_chunk_tokens=self.max_prefill_chunk_tokens)
+        extra = self.roles.get("decode" if role == "aggregated" else role, {})
+        unknown = set(extra) - set(out)
+        if unknown:
+            raise ValueError(f"roles[{role!r}]: unknown engine setting {sorted(unknown)[0]!r} ({', '.join(out)})")
+        out.update(extra)
+        return out
 
     def label(self) -> str:
         if self.mode == "aggregated":
-            return f"aggregated ×{self.workers}" + (" chunked" if self.max_prefill_chunk_tokens else "")
+            chunk = self.engine("aggregated")["max_prefill_chunk_tokens"]
+            return f"aggregated ×{self.workers}" + (f" chunked {chunk}" if chunk else "")
         return f"{self.mode} {self.prefill}P:{self.decode}D"
 
     @property
@@ -80,10 +107,17 @@ class Topology:
 class Simulation:
     """One run; use :func:`simulate`."""
 
-    def __init__(self, topo: Topology, profile: Profile, max_segment: int = 4096):
+    def __init__(self, topo: Topology, profile: Profile, max_segment: int = 4096,
+                 prefill_profile: Profile | None = None):
         if topo.mode not in ("aggregated", "disaggregated", "conditional"):
             raise ValueError(f"unknown mode {topo.mode!r}")
+        if prefill_profile is not None and prefill_profile.kv_bytes_per_token != profile.kv_bytes_per_token:
+            raise ValueError(f"prefill profile {prefill_profile.name} holds {prefill_profile.kv_bytes_per_token} KV "
+                             f"bytes per token, decode profile {profile.name} {profile.kv_bytes_per_token}: "
+                             "not the same model, the KV cannot be handed over")
         self.topo, self.p, self.cost = topo, profile, CostModel(profile)
+        pre_p = prefill_profile or profile
+        pre_cost = CostModel(pre_p) if prefill_profile is not None else self.cost
         self.max_segment = max_segment
         self.heap: list = []
         self.n_events = 0
@@ -93,11 +127,10 @@ class Simulation:
         self.jitter = list(profile.step_jitter)
         self.timeline, self.bin_s = list(profile.load_timeline), profile.load_bin_s
         self.rng = random.Random(0)
-        blocks = topo.num_kv_blocks or profile.num_kv_blocks
-        kw = dict(num_blocks=blocks, block_size=profile.block_size, max_num_seqs=topo.max_num_seqs,
-                  max_num_batched_tokens=topo.max_num_batched_tokens,
-                  max_prefill_chunk_tokens=topo.max_prefill_chunk_tokens,
-                  enable_prefix_caching=topo.enable_prefix_caching)
+        def kw(role: str, prof: Profile) -> dict:
+            return dict(num_blocks=topo.num_kv_blocks or prof.num_kv_blocks, block_size=profile.block_size,
+                        enable_prefix_caching=topo.enable_prefix_caching, **topo.engine(role))
+
         self.hosts: list[Host] = []
 
         def host_for(i: int) -> Host:
@@ -109,21 +142,33 @@ class Simulation:
         self.prefill: list[SimWorker] = []
         self.decode: list[SimWorker] = []
         if topo.mode == "aggregated":
-            self.decode = [SimWorker(self, f"worker-{i}", "aggregated", self.cost, host_for(i), **kw)
-                           for i in range(topo.workers)]
+            self.decode = [SimWorker(self, f"worker-{i}", "aggregated", self.cost, host_for(i),
+                                     **kw("aggregated", profile)) for i in range(topo.workers)]
         else:
             # the modes benchmark's placement: prefill-i and decode-i side by side on a host
             n = max(topo.prefill, topo.decode)
             order = [(r, i) for i in range(n) for r in ("prefill", "decode")
                      if i < (topo.prefill if r == "prefill" else topo.decode)]
             for slot, (role, i) in enumerate(order):
-                w = SimWorker(self, f"{role}-{i}", role, self.cost, host_for(slot), **kw)
+                prof, cost = (pre_p, pre_cost) if role == "prefill" else (profile, self.cost)
+                w = SimWorker(self, f"{role}-{i}", role, cost, host_for(slot), **kw(role, prof))
                 (self.prefill if role == "prefill" else self.decode).append(w)
+        # the KV hand-off: a FIFO server per store scope (host, fleet or worker link), and the
+        # full blocks the store holds (staged once, later prompts sharing them skip the put;
+        # no expiry or capacity is modelled)
+        self.store = profile.store(topo.kv_store)  # the decode side's figures for the store
+        self.store_free: dict = {}
+        self.staged: set[bytes] = set()
+        self.kv_put_s = 0.0  # seconds the store's servers spent on puts, and on gets
+        self.kv_get_s = 0.0
+        self.kv_wait_s = 0.0  # seconds hand-offs waited for a busy store server
         # the router's hand-off estimates are this profile's, as the simulated hand-off is
-        per_byte_s = profile.kv_stage_s_per_byte + profile.kv_load_s_per_byte
+        imp_fixed, imp_per_byte = profile.import_cost()
+        per_byte_s = self.store.put_s_per_byte + self.store.get_s_per_byte + imp_per_byte
         self.router = Router(topo.local_max_tokens, profile.kv_bytes_per_token,
                              kv_bandwidth_bytes_per_s=1.0 / per_byte_s if per_byte_s > 0 else float("inf"),
-                             hop_overhead_s=2 * profile.bus_hop_s + profile.kv_stage_fixed_s + profile.kv_load_fixed_s)
+                             hop_overhead_s=2 * profile.bus_hop_s + self.store.put_fixed_s + self.store.get_fixed_s
+                             + imp_fixed)
         self.tok_free = [0.0] * max(1, topo.tokenizers)
         self.first: list[float] = []
         self.last: list[float] = []
@@ -132,6 +177,7 @@ class Simulation:
         self.gap_w: list[int] = []
         self.gap_r: list[int] = []  # the request of each gap
         self.remote = 0
+        self.backlog: dict[int, list] = {}  # id(pool) → work items waiting in its stream
         self._turn: dict[int, int] = {}
         self._hb: dict[str, Heartbeat] = {}
         self.done = 0
@@ -162,7 +208,10 @@ class Simulation:
         util = {w.name: w.busy_s / now if now else 0.0 for w in workers}
         return SimResult(self.topo.label(), self.arrival, self.first, self.last, self.n_out, self.gap_v, self.gap_w,
                          util, now, wall, self.n_events, self.remote, self.done,
-                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu, gap_r=self.gap_r)
+                         preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu, gap_r=self.gap_r,
+                         kv={"store": self.store.kind, "put_s": self.kv_put_s, "get_s": self.kv_get_s,
+                             "wait_s": self.kv_wait_s,
+                             "import_s": sum(w.import_s for w in self.decode)})
 
     def _arrive(self, req) -> None:
         # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
@@ -183,12 +232,32 @@ class Simulation:
         seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
         if remote:
             self.remote += 1
-            w = self._pull(self.prefill)
+        self._offer(now, self.prefill if remote else self.decode, "new", seq)
+
+    def _offer(self, now: float, pool: list[SimWorker], kind: str, seq) -> None:
+        """A work item (``new``: a prompt; ``kv``: a DecodeTask) published to ``pool``'s stream:
+        a worker with room fetches it, or it waits in the stream for the first slot."""
+        w = self._pull(pool)
+        if w is None:
+            self.backlog.setdefault(id(pool), []).append((kind, seq))
         else:
-            w = self._pull(self.decode)
-        # the gateway's and tokenizer's CPU for this request, on the host it is served from
-        w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(req.prompt_tokens))
-        self.push(now + self.hop, self._deliver, (w, "new", seq))
+            self._dispatch(now, w, kind, seq)
+
+    def _dispatch(self, now: float, w: SimWorker, kind: str, seq) -> None:
+        w.pending += 1
+        if kind == "new":
+            # the gateway's and tokenizer's CPU for this request, on the host it is served from
+            w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(seq.num_prompt_tokens))
+            self.push(now + self.hop, self._deliver, (w, "new", seq))
+        else:
+            self._fetch_kv(now, w, seq)
+
+    def room(self, now: float, w: SimWorker) -> None:
+        """``w`` let go of sequences: it fetches what waits in its pool's stream, up to its room."""
+        queue = self.backlog.get(id(self.prefill if w.role == "prefill" else self.decode))
+        while queue and self._held(w) < w.max_num_seqs:
+            kind, seq = queue.pop(0)
+            self._dispatch(now, w, kind, seq)
 
     def _heartbeat(self, now: float, w: SimWorker) -> Heartbeat:
         """What the router knows of ``w``: its last heartbeat, sent every ``heartbeat_s``
@@ -207,28 +276,65 @@ class Simulation:
         """Which worker of ``pool`` takes the next work item: as JetStream serves the pull
         consumers (``services/common/consumer.py``) — each worker with room (fewer than
         ``max_num_seqs`` held) keeps one fetch waiting, and waiting fetches are served in turn,
-        whatever the worker's engine is doing; with no room anywhere, the least loaded (the
-        item waits in the stream for the first slot)."""
+        whatever the worker's engine is doing; with no room anywhere, None (the item waits in
+        the stream for the first slot: :meth:`room`)."""
         n = len(pool)
-        if n == 1:
-            return pool[0]
         start = self._turn.get(id(pool), 0)
         for j in range(n):
             w = pool[(start + j) % n]
-            if w.sched.num_unfinished + len(w.inbox) < self.topo.max_num_seqs:
+            if self._held(w) < w.max_num_seqs:
                 self._turn[id(pool)] = (start + j + 1) % n
                 return w
-        return min(pool, key=lambda w: w.sched.num_unfinished + len(w.inbox))
+        return None
+
+    @staticmethod
+    def _held(w: SimWorker) -> int:
+        """Sequences ``w`` holds or has fetched (what its consumer counts against max_num_seqs)."""
+        return w.sched.num_unfinished + len(w.inbox) + w.pending
 
     def _deliver(self, now: float, arg) -> None:
         w, kind, seq = arg
+        w.pending -= 1
         w.deliver(now, kind, seq)
 
-    def hand_off(self, t: float, seq) -> None:
-        """A prefill worker staged ``seq``'s KV at ``t``; a decode worker gets it a hop later."""
+    def _store_job(self, now: float, key, seconds: float) -> float:
+        """Queue a job of ``seconds`` on the store server ``key`` at ``now``; when it ends."""
+        start = max(now, self.store_free.get(key, 0.0))
+        self.kv_wait_s += start - now
+        self.store_free[key] = end = start + seconds
+        return end
+
+    def _server(self, w: SimWorker):
+        scope = self.store.scope
+        return id(w.host) if scope == "host" else "fleet" if scope == "fleet" else w.name
+
+    def hand_off(self, now: float, seq, src: SimWorker) -> None:
+        """Prefill worker ``src`` computed ``seq``'s prompt at ``now``: its staging thread puts
+        the full blocks the store lacks and the tail (a job on the store's server); the
+        DecodeTask reaches the decode pool a hop after the put ends."""
         seq.stop_after_prefill = False
-        w = self._pull(self.decode)
-        self.push(t + self.hop, self._deliver, (w, "kv", seq))
+        bs, bpt = self.p.block_size, self.p.kv_bytes_per_token
+        full = seq.num_prompt_tokens // bs
+        new = [h for h in seq.block_hashes[:full] if h not in self.staged]
+        self.staged.update(new)
+        seconds = self.store.put((len(new) * bs + seq.num_prompt_tokens % bs) * bpt)
+        self.kv_put_s += seconds
+        self.push(self._store_job(now, self._server(src), seconds) + self.hop, self._kv_task, seq)
+
+    def _kv_task(self, now: float, seq) -> None:
+        """``seq``'s DecodeTask is published to the decode pool."""
+        self._offer(now, self.decode, "kv", seq)
+
+    def _fetch_kv(self, now: float, w: SimWorker, seq) -> None:
+        """Decode worker ``w`` fetched ``seq``'s DecodeTask: its thread reads the full blocks
+        its prefix cache lacks and the tail from the store; the engine imports them after."""
+        bs, bpt = self.p.block_size, self.p.kv_bytes_per_token
+        full = seq.num_prompt_tokens // bs
+        local = leading_hits(w.bm, seq.block_hashes[:full]) if w.bm.enable_prefix_caching else 0
+        seq.kv_bytes = ((full - local) * bs + seq.num_prompt_tokens % bs) * bpt
+        seconds = self.store.get(seq.kv_bytes)
+        self.kv_get_s += seconds
+        self.push(self._store_job(now, ("get", self._server(w)), seconds), self._deliver, (w, "kv", seq))
 
     def host_changed(self, now: float, worker: SimWorker) -> None:
         """A worker went busy or idle: the others of its host re-time from their next step."""
@@ -289,13 +395,15 @@ class Simulation:
 
 
 def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,
-             max_segment: int = 4096, keep: list[bool] | None = None) -> dict:
+             max_segment: int = 4096, keep: list[bool] | None = None, prefill_profile: Profile | None = None) -> dict:
     """Replay ``requests`` (:class:`~sim.trace.SimRequest`, arrival order) through
-    ``topo`` with ``profile``'s costs; returns :func:`sim.metrics.summarize`'s dict,
+    ``topo`` with ``profile``'s costs (the prefill pool's from ``prefill_profile`` when given:
+    heterogeneous pools); returns :func:`sim.metrics.summarize`'s dict,
     over the requests ``i`` with ``keep[i]`` only when ``keep`` is given (all are simulated).
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, a store kind the profile has no figures for, pools of
+            different models.
     """
-    result = Simulation(topo, profile, max_segment).run(requests)
+    result = Simulation(topo, profile, max_segment, prefill_profile).run(requests)
     return summarize(result.only(keep) if keep is not None else result, slo_ttft_s, slo_tpot_s)

@@ -29,7 +29,7 @@ _SAMPLING = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
 class SimSeq(Sequence):
     """A :class:`Sequence` with the simulator's per-request bookkeeping."""
 
-    __slots__ = ("req", "last_t", "max_out")
+    __slots__ = ("req", "last_t", "max_out", "kv_bytes")
 
     def update_block_hashes(self) -> None:
         """Name blocks past the trace's prompt hashes (output blocks, all placeholder tokens) by
@@ -47,8 +47,18 @@ def new_seq(req, block_size: int, hashes: list[bytes], prefill_only: bool) -> Si
     placeholders: only counts and ``hashes`` matter to the scheduler and block manager."""
     seq = SimSeq(str(req.idx), [0] * req.prompt_tokens, req.prompt_tokens, _SAMPLING, block_size,
                  block_hashes=hashes, stop_after_prefill=prefill_only, arrival_at=req.arrival_s)
-    seq.req, seq.last_t, seq.max_out = req, -1.0, req.max_tokens
+    seq.req, seq.last_t, seq.max_out, seq.kv_bytes = req, -1.0, req.max_tokens, 0
     return seq
+
+
+def leading_hits(bm: BlockManager, hashes) -> int:
+    """How many of ``hashes``' leading blocks ``bm``'s prefix cache holds."""
+    n = 0
+    for h in hashes:
+        if bm.lookup(h) is None:
+            break
+        n += 1
+    return n
 
 
 class Host:
@@ -98,6 +108,9 @@ class SimWorker:
         self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens)
         self.block_size = block_size
         self.inbox: list[tuple[str, SimSeq]] = []  # ("new" | "kv", seq) taken between steps
+        self.import_s = 0.0  # engine-thread seconds spent importing loaded KV
+        self.pending = 0  # work items this worker has fetched that are still on their way (hop, KV get)
+        self.max_num_seqs = max_num_seqs
         self.busy = False
         self.busy_s = 0.0
         self.extra_s = 0.0  # worker-loop time before the next step (KV staging/loading)
@@ -123,12 +136,19 @@ class SimWorker:
             if kind == "new":
                 self.sched.add(seq)
                 continue
-            need = -(-(seq.num_prompt_tokens + 1) // self.block_size)
-            self.extra_s += self.cost.kv_load(seq.num_prompt_tokens)
-            if need <= self.bm.num_free_blocks:  # admit_with_kv: the loaded prompt, room for the next token
-                for _ in range(need):
-                    seq.block_table.append(self.bm.allocate_block().block_id)
+            # admit_with_kv on the engine thread: full blocks this worker's prefix cache holds
+            # are reused, the rest (read from the store in a thread: seq.kv_bytes) are copied in
+            imp = self.cost.kv_import(seq.kv_bytes)
+            self.extra_s += imp
+            self.import_s += imp
+            bs = self.block_size
+            full = seq.num_prompt_tokens // bs
+            seq.num_computed_tokens = 0  # the counts are this worker's from here
+            hits = [self.bm.lookup(h) for h in seq.block_hashes[:leading_hits(self.bm, seq.block_hashes[:full])]]
+            if self.bm.can_allocate(seq, seq.num_prompt_tokens - len(hits) * bs + 1, hits):
+                self.bm.allocate(seq, seq.num_prompt_tokens - len(hits) * bs + 1, hits)
                 seq.num_computed_tokens = seq.num_prompt_tokens
+                self.bm.cache_full_blocks(seq)
                 self.sched.add_running(seq)
             else:  # no room to load: recompute (the engine's fallback)
                 self.sched.add(seq)
@@ -257,11 +277,11 @@ class SimWorker:
             if seq.stop_after_prefill:
                 self.sched.finish(seq, None)
                 if seq.num_output_tokens < seq.max_out:
-                    self.extra_s += self.cost.kv_stage(seq.num_prompt_tokens)
-                    sim.hand_off(now + self.extra_s, seq)
+                    sim.hand_off(now, seq, self)  # staged in a thread: this engine steps on
                 else:
                     sim.finished(seq, now)
             elif seq.num_output_tokens >= seq.max_out:
                 self.sched.finish(seq, "length")
                 sim.finished(seq, now)
+        sim.room(now, self)
         self.start(now)

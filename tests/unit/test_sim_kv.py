@@ -1,0 +1,113 @@
+"""The simulator's KV hand-off as pdserve does it (issue 34): the store is a FIFO server per
+scope (shm per host, Redis for the fleet, the network per worker link), staging runs in a
+thread (the prefill engine steps on), the decode-side import runs on the engine thread (it
+delays that worker's next step), blocks the store or the decode worker already hold are not
+moved again; and per-role engine settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import trace
+from sim.profile import CostModel
+from sim.simulator import Simulation, Topology, simulate
+from tests.unit.test_sim import _profile
+
+SLOW = {"put_fixed_s": 0.0, "put_s_per_byte": 1e-6, "get_fixed_s": 0.0, "get_s_per_byte": 0.0, "source": "test"}
+
+
+def _pair(arrive=(0.0, 0.0), prompt=1024, out=20):
+    return [trace.SimRequest(i, t, prompt, out) for i, t in enumerate(arrive)]
+
+
+def test_a_fleet_store_queues_puts_a_host_store_does_not():
+    """Two prompts finish prefill at once on two prefill workers on two hosts: with Redis (one
+    server for the fleet) the second put waits for the first; with shm (one per host) neither waits."""
+    p = _profile(kv_stores={"redis": SLOW, "shm": SLOW})
+    put = 1024 * p.kv_bytes_per_token * 1e-6  # 1.024 s
+    topo = dict(mode="disaggregated", prefill=2, decode=2, tokenizers=2)  # both tokenized at once
+    fleet = Simulation(Topology(kv_store="redis", **topo), p).run(_pair())
+    host = Simulation(Topology(kv_store="shm", **topo), p).run(_pair())
+    assert fleet.kv["wait_s"] == pytest.approx(put, rel=1e-6)
+    assert host.kv["wait_s"] == 0.0
+    assert fleet.kv["put_s"] == host.kv["put_s"] == pytest.approx(2 * put, rel=1e-6)
+    # the second request's second token is a put later under Redis
+    later = sorted(fleet.last)[1] - sorted(host.last)[1]
+    assert later == pytest.approx(put, rel=0.01)
+
+
+def test_staging_runs_in_a_thread():
+    """A slow put delays the hand-off, not the prefill worker's next prompt."""
+    reqs = _pair(arrive=(0.0, 0.001), prompt=512, out=3)
+    fast = Simulation(Topology(mode="disaggregated", prefill=1, decode=1), _profile()).run(reqs)
+    slow = Simulation(Topology(mode="disaggregated", prefill=1, decode=1, kv_store="shm"),
+                      _profile(kv_stores={"shm": SLOW})).run(reqs)
+    assert slow.first == pytest.approx(fast.first, rel=1e-9)  # both first tokens come from prefill
+    assert min(s - f for s, f in zip(slow.last, fast.last)) > 0.5  # the hand-off waited for the put
+
+
+def test_the_import_delays_the_decode_workers_next_step():
+    """A request decoding alone on the decode worker; a second one's KV arrives: the first
+    request's gap over the import is one decode step longer by the import's engine-thread time."""
+    imp = 0.2
+    p = _profile(kv_import_fixed_s=imp, kv_import_s_per_byte=0.0)
+    reqs = [trace.SimRequest(0, 0.0, 64, 400), trace.SimRequest(1, 1.0, 64, 5)]
+    r = Simulation(Topology(mode="disaggregated", prefill=1, decode=1), p).run(reqs)
+    gaps0 = sorted([v for v, q in zip(r.gap_v, r.gap_r) if q == 0][1:])  # the first gap holds its own import
+    c = CostModel(p)
+    assert gaps0[-1] >= imp + c.decode_step(1, 64)
+    assert gaps0[-1] <= imp + c.decode_step(2, 2 * 500)
+    assert r.kv["import_s"] == pytest.approx(2 * imp)
+    # without the import cost the longest gap is a decode step
+    q = Simulation(Topology(mode="disaggregated", prefill=1, decode=1),
+                   _profile(kv_import_fixed_s=0.0, kv_import_s_per_byte=0.0)).run(reqs)
+    assert max([v for v, k in zip(q.gap_v, q.gap_r) if k == 0][1:]) < imp
+
+
+def test_shared_prefixes_move_once():
+    """Mooncake-style prefix reuse: a second prompt with the first's 1,024-token prefix stages
+    only its own blocks, and the decode worker that holds the prefix reads only the rest."""
+    p = _profile(kv_stores={"shm": {**SLOW, "get_s_per_byte": 1e-6}})
+    a = trace.SimRequest(0, 0.0, 1024 + 64, 10, hash_ids=tuple(range(17)), segment_tokens=64)
+    b = trace.SimRequest(1, 8.0, 1024 + 64, 10, hash_ids=tuple(range(16)) + (99,), segment_tokens=64)
+    r = Simulation(Topology(mode="disaggregated", prefill=1, decode=1, kv_store="shm"), p).run([a, b])
+    per_token = p.kv_bytes_per_token * 1e-6
+    assert r.kv["put_s"] == pytest.approx((1088 + 64) * per_token, rel=1e-6)
+    assert r.kv["get_s"] == pytest.approx((1088 + 64) * per_token, rel=1e-6)
+
+
+def test_store_kinds_need_figures():
+    p = _profile()
+    with pytest.raises(ValueError, match="no figures for the redis KV store"):
+        simulate(_pair(), Topology(mode="disaggregated", kv_store="redis"), p)
+    with pytest.raises(ValueError, match="unknown KV store"):
+        simulate(_pair(), Topology(mode="disaggregated", kv_store="nfs"), p)
+
+
+def test_per_role_engine_settings():
+    """The decode pool's max_num_seqs 2 holds four simultaneous requests to two at a time;
+    the prefill pool keeps its own settings; an unknown setting is refused."""
+    reqs = [trace.SimRequest(i, 0.0, 64, 50) for i in range(4)]
+    both = simulate(reqs, Topology(mode="disaggregated", prefill=1, decode=1), _profile())
+    narrow = simulate(reqs, Topology(mode="disaggregated", prefill=1, decode=1, roles={"decode": {"max_num_seqs": 2}}),
+                      _profile())
+    assert narrow["e2e"]["p99"] > 1.5 * both["e2e"]["p99"] > 0  # the last two wait for the first two
+    topo = Topology(mode="disaggregated", max_prefill_chunk_tokens=0, roles={"prefill": {"max_prefill_chunk_tokens": 256}})
+    assert topo.engine("prefill")["max_prefill_chunk_tokens"] == 256
+    assert topo.engine("decode")["max_prefill_chunk_tokens"] == 0
+    with pytest.raises(ValueError, match="unknown engine setting 'chunk'"):
+        Topology(roles={"decode": {"chunk": 1}}).engine("decode")
+
+
+def test_heterogeneous_pools_price_prefill_from_their_profile():
+    """A prefill pool on a profile twice as fast at prefill gives a shorter TTFT; pools of
+    different models (KV bytes per token) are refused."""
+    p = _profile()
+    fast = _profile(prefill_s=[x / 2 for x in p.prefill_s], prefill_attn_s=p.prefill_attn_s / 2)
+    reqs = [trace.SimRequest(0, 0.0, 2048, 4)]
+    same = simulate(reqs, Topology(mode="disaggregated"), p)
+    het = simulate(reqs, Topology(mode="disaggregated"), p, prefill_profile=fast)
+    c, cf = CostModel(p), CostModel(fast)
+    assert same["ttft"]["p50"] - het["ttft"]["p50"] == pytest.approx(c.prefill(2048) - cf.prefill(2048), rel=1e-6)
+    with pytest.raises(ValueError, match="not the same model"):
+        simulate(reqs, Topology(mode="disaggregated"), p, prefill_profile=_profile(kv_bytes_per_token=7))
