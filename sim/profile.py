@@ -255,6 +255,7 @@ class CostModel:
     """
 
     def __init__(self, profile: Profile, max_tokens: int = 8192, max_batch: int = 1024):
+        max_tokens = max(max_tokens, profile.prefill_tokens[-1])  # a long-context table is tabulated whole
         self.p = profile
         xs = np.arange(max_tokens + 1)
         self._prefill = _interp(xs, profile.prefill_tokens, profile.prefill_s).tolist()

@@ -233,27 +233,43 @@ def test_plan_refuses_bad_arguments_before_searching(bad, says, tmp_path, capsys
     assert info.value.code == 2 and says in out.err and "Traceback" not in out.err and "attainment" not in out.out
 
 
-@pytest.mark.parametrize("name", ["a100-llama2-7b", "a100x4-llama2-70b-tp4"])
+@pytest.mark.parametrize("name", ["a100-llama2-7b", "a100x4-llama2-70b-tp4", "a100x4-llama2-70b-32k-tp4"])
 def test_cited_profiles_are_what_sim_cited_builds_and_keep_their_figures(name, tmp_path):
     """The committed cited profiles are sim.cited's output (regenerate with ``python -m sim.cited
     docs/profiles``), decode at batch 1-64 is LMDeploy's table, and no mixed step costs less
     than its decode step alone (the old 7B profile's short chunks did)."""
     from sim import cited
 
-    build = {"a100-llama2-7b": cited.a100_llama2_7b, "a100x4-llama2-70b-tp4": cited.a100x4_llama2_70b_tp4}[name]
+    build = cited.BUILDERS[name]
     fresh = build()
     committed = Profile.load(Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"{name}.json")
-    assert committed.prefill_s == pytest.approx(fresh.prefill_s) and committed.decode_s == pytest.approx(fresh.decode_s)
-    source = {"a100-llama2-7b": cited.LLAMA2_7B, "a100x4-llama2-70b-tp4": cited.LLAMA2_70B}[name]
+    assert committed.digest() == fresh.digest(), "regenerate: python -m sim.cited docs/profiles"
+    source = {"a100-llama2-7b": cited.LLAMA2_7B, "a100x4-llama2-70b-tp4": cited.LLAMA2_70B,
+              "a100x4-llama2-70b-32k-tp4": cited.LLAMA2_70B_32K}[name]
     assert {b: d for b, d in zip(fresh.decode_batch, fresh.decode_s) if b <= 64} == source.decode_p50
     assert fresh.prefill_s[fresh.prefill_tokens.index(2048)] == pytest.approx(source.first_token[2048])
     c = CostModel(fresh)
     for n in (1, 16, 64, 127, 256):
         for b in (1, 8, 64):
             assert c.step([(n, 0)], b, b * 100) >= c.decode_step(b, b * 100)
-    # the sensitivity rows: a lower utilization makes prefill slower, decode untouched
+    # the context cost reproduces [LMD]'s prompt-2048 rows (batch × 3,072 context tokens) within 5 %
+    for b, p50 in source.decode_p50_ctx.items():
+        assert c.decode_step(b, b * 3072) == pytest.approx(p50, rel=0.05)
+    # the sensitivity rows: a lower utilization makes prefill slower, decode untouched; a lower
+    # bandwidth utilization makes decode slower, prefill untouched
     slow = build(mfu=0.35)
     assert slow.prefill_s[-1] > fresh.prefill_s[-1] and slow.decode_s == fresh.decode_s
+    narrow = build(mbu=0.4)
+    assert narrow.decode_ctx_s > fresh.decode_ctx_s and narrow.decode_s[0] > fresh.decode_s[0]
+    assert narrow.prefill_s == fresh.prefill_s
+    for row, mfu, mbu in cited.SENSITIVITY:  # committed too
+        if row == name:
+            want = build(mfu=mfu, mbu=mbu)
+            assert Profile.load(committed_path(want.name)).digest() == want.digest()
+
+
+def committed_path(name: str) -> Path:
+    return Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"{name}.json"
 
 
 @pytest.mark.parametrize("extra, says", [
