@@ -48,8 +48,8 @@ class SimResult:
                        gap_r=[self.gap_r[j] for j in gi])
 
 
-def weighted_percentiles(values, weights, qs=(50, 90, 99)) -> dict:
-    """{"p50": ..., ...} of ``values`` counted ``weights`` times each; None when empty."""
+def weighted_percentiles(values, weights, qs=(50, 90, 99, 99.9)) -> dict:
+    """{"p50": ..., "p99.9": ...} of ``values`` counted ``weights`` times each; None when empty."""
     if len(values) == 0:
         return {f"p{q}": None for q in qs} | {"mean": None}
     v = np.asarray(values, float)
@@ -61,7 +61,7 @@ def weighted_percentiles(values, weights, qs=(50, 90, 99)) -> dict:
     out = {}
     for q in qs:
         i = int(np.searchsorted(cdf, q / 100.0 * total, side="left"))
-        out[f"p{q}"] = float(v[min(i, len(v) - 1)])
+        out[f"p{q:g}"] = float(v[min(i, len(v) - 1)])
     out["mean"] = float(np.sum(v * w) / total)
     return out
 

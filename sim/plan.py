@@ -23,6 +23,14 @@ separately from the same two interpolations (NVIDIA Dynamo, ``docs/architecture/
 here the split is searched with the whole pipeline simulated, so queueing, KV hand-offs and
 the conditional router count.
 
+``--hardware FILE:COST`` (repeatable) plans heterogeneous pools instead (:mod:`sim.pools`): each
+option is a profile (one GPU kind at one tensor-parallel degree — give one per degree to search
+TP) and a cost per worker-hour; the answer is the cheapest deployment meeting the SLOs, prefill
+and decode hardware, pool sizes and per-role engine settings (chunk size, max_num_seqs) chosen.
+
+The predicted percentiles are printed with the simulator's error band where one was measured
+out of sample; none has been yet, so each is marked unvalidated.
+
 ``--emit k8s`` writes a kustomize overlay of ``infra/k8s``: the replica counts, the routing
 settings and KEDA ScaledObjects whose ``minReplicaCount`` holds the plan and whose
 ``lagThreshold`` is the work one worker clears within the TTFT SLO.
@@ -225,9 +233,64 @@ def bad_argument(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: What the printed percentiles' error band is: none measured out of sample yet (issue 34).
+ERROR_BAND = ("  error band: unvalidated — the simulator's out-of-sample error has not been measured "
+              "(`pdserve bench sim-validate`); the percentiles are the model's prediction")
+
+
+def percentiles(s: dict) -> list[str]:
+    """The predicted TTFT / ITL / TPOT / E2E percentiles of a summary, each with its band."""
+    out = []
+    for m in ("ttft", "itl", "tpot", "e2e"):
+        out.append(f"  {m.upper():5s} p50 {s[m]['p50']:.4f}s  p90 {s[m]['p90']:.4f}s  p99 {s[m]['p99']:.4f}s"
+                   "  (band: unvalidated)")
+    return out
+
+
+def _plan_pools(p: argparse.ArgumentParser, args, reqs, modes, base) -> int:
+    from sim.pools import Hardware, plan_cheapest
+
+    hardware = []
+    for spec in args.hardware:
+        path, sep, cost = spec.rpartition(":")
+        try:
+            price = float(cost)
+        except ValueError:
+            price = -1.0
+        if not sep or not path or not 0 < price < math.inf:
+            p.error(f"--hardware {spec!r}: FILE:COST with a positive cost per worker-hour")
+        try:
+            prof = Profile.load(path)
+        except (OSError, ValueError) as exc:
+            p.error(f"--hardware: {exc}")
+        except (AttributeError, TypeError):
+            p.error(f"--hardware: {path} is not a profile file")
+        hardware.append(Hardware(prof.name, prof, price))
+    try:
+        res = plan_cheapest(reqs, hardware, args.slo_ttft, args.slo_tpot, attainment=args.attainment, modes=modes,
+                            max_workers=args.max_workers, base=base)
+    except ValueError as exc:  # pools of different models, a store a profile has no figures for
+        p.error(str(exc))
+    best = res["best"]
+    if best is None:
+        print(f"pdserve plan: no deployment up to {args.max_workers} workers meets the SLOs")
+        return 1
+    s = best.summary
+    print(f"\nplan: {best.label()} — {best.cost_per_hour:.2f} per hour"
+          f"{' (heterogeneous pools)' if best.heterogeneous else ''}, {len(res['tried'])} deployments simulated")
+    print("\n".join(percentiles(s)))
+    print(f"  SLO attainment {s['slo_attainment'] * 100:.1f}% (TTFT ≤ {args.slo_ttft}s and TPOT ≤ {args.slo_tpot}s, "
+          f"at least {args.attainment * 100:.0f}%)")
+    print(ERROR_BAND)
+    if args.emit == "k8s":
+        for path in emit_k8s(Path(args.out), best.topo, s, reqs, best.decode.profile, args.slo_ttft):
+            print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", required=True, help="a profile file (pdserve profile, docs/profiles/)")
+    p.add_argument("--profile", help="a profile file (pdserve profile, docs/profiles/); or --hardware")
     p.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake, poisson:LEN:W,...")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--rate", type=float, default=0.0, help="req/s (default: the trace's own arrivals)")
@@ -244,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-max-tokens", type=int, default=256, help="conditional: PD_ROUTER_LOCAL_MAX_TOKENS")
     p.add_argument("--max-prompt", type=int, default=8192)
     p.add_argument("--max-output", type=int, default=2048)
+    p.add_argument("--hardware", action="append", default=[], metavar="FILE:COST",
+                   help="a worker option (profile file : cost per worker-hour); repeat for heterogeneous pools")
     p.add_argument("--emit", choices=("k8s",), default=None)
     p.add_argument("--out", default="plan-k8s", help="--emit k8s: the overlay folder")
     args = p.parse_args(argv or [])
@@ -251,8 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(bad)
     modes = args.modes.split(",")
+    if not args.profile and not args.hardware:
+        p.error("--profile (one worker class) or --hardware FILE:COST (priced options) is needed")
+    profile = None
     try:
-        profile = Profile.load(args.profile)
+        if args.profile:
+            profile = Profile.load(args.profile)
     except (OSError, ValueError) as exc:
         p.error(f"--profile: {exc}")
     except (AttributeError, TypeError):  # JSON, but not an object of a profile's fields
@@ -265,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--trace: {exc}")
     base = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk_tokens=args.chunk, local_max_tokens=args.local_max_tokens)
+    if args.hardware:
+        return _plan_pools(p, args, reqs, modes, base)
     res = plan(reqs, profile, args.slo_ttft, args.slo_tpot, attainment=args.attainment, slo_itl=args.slo_itl,
                percentile=args.percentile, max_workers=args.max_workers, modes=modes, base=base)
     if res["best"] is None:
@@ -274,14 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     k = f"p{args.percentile}"
     print(f"\nplan: {topo.label()} — {topo.num_workers} workers for {args.trace} at "
           f"{len(reqs) / max(reqs[-1].arrival_s, 1e-9):.2f} req/s (profile {profile.name})")
-    for m in ("ttft", "itl", "tpot", "e2e"):
-        print(f"  {m.upper():5s} p50 {s[m]['p50']:.4f}s  p90 {s[m]['p90']:.4f}s  p99 {s[m]['p99']:.4f}s")
+    print("\n".join(percentiles(s)))
     itl = f", pooled ITL {k} ≤ {args.slo_itl}s" if args.slo_itl is not None else ""
     print(f"  goodput {s['goodput_rps']:.2f} req/s, SLO attainment {s['slo_attainment'] * 100:.1f}% (per request: "
           f"TTFT ≤ {args.slo_ttft}s and TPOT ≤ {args.slo_tpot}s, at least {args.attainment * 100:.0f}%{itl}); "
           f"prefill share of compute {res['prefill_share']:.2f}")
-    print("  (simulated from the profile; the simulator's out-of-sample error is not yet measured: "
-          "`pdserve bench sim-validate`)")
+    print(ERROR_BAND)
     if args.emit == "k8s":
         for path in emit_k8s(Path(args.out), topo, s, reqs, profile, args.slo_ttft):
             print(f"wrote {path}")

@@ -3,6 +3,8 @@
 ``pdserve simulate --profile FILE [--trace azure-conv] [--requests N] [--rate R]
 [--mode aggregated|disaggregated|conditional] [--workers N | --prefill P --decode D]
 [--host-cores C --workers-per-host W] [--json]``
+
+``pdserve simulate sweep [--out docs/scale.json]``: the crossover map (:mod:`sim.sweep`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def table(rows: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "sweep":  # pdserve simulate sweep: the crossover map (sim/sweep.py)
+        from sim.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True)
     p.add_argument("--trace", default="azure-conv")

@@ -171,3 +171,60 @@ def repeat(reqs: list[SimRequest], times: int) -> list[SimRequest]:
             ids = None if r.hash_ids is None else tuple(h * times + k for h in r.hash_ids)
             out.append(SimRequest(len(out), r.arrival_s + k * span, r.prompt_tokens, r.max_tokens, ids, r.segment_tokens))
     return out
+
+
+def agentic(n: int, seed: int = 0, min_tokens: int = 8192, max_tokens: int = 32768,
+            growth: tuple[float, float] = (0.25, 0.5), output_tokens: tuple[int, int] = (100, 400),
+            system_tokens: int = 2048, segment_tokens: int = 512, think_s: tuple[float, float] = (2.0, 10.0),
+            session_rate_per_s: float = 0.5) -> list[SimRequest]:
+    """An agentic long-context mix (synthetic; the seeds' regime: "agents with large contexts"):
+    sessions whose every turn resends the whole history and appends new tokens (tool output, the
+    previous answer), so a turn's prompt is its predecessor's plus ``growth`` of it (a prefix hit
+    of 1/(1+growth): 67-80 % for the default), starting at ``min_tokens`` (a shared
+    ``system_tokens`` system prompt and the task) and ending before ``max_tokens``. Sessions start
+    as a Poisson process; a session's next turn comes ``think_s`` after the previous one's arrival.
+    Lengths are whole ``segment_tokens`` segments, each named by one hash id (shared system
+    segments, then the session's own), so prefix caching meets the reuse. Arrival order, ``idx``
+    by it. :func:`prefix_hit_share` gives the realized hit share (60-80 % with the defaults).
+    """
+    rng = random.Random(seed)
+    system = tuple(range(system_tokens // segment_tokens))
+    next_id = len(system)
+    out: list[tuple[float, int, int, tuple[int, ...]]] = []
+    start = 0.0
+    while len(out) < n:
+        start += rng.expovariate(session_rate_per_s)
+        first = (min_tokens - system_tokens) // segment_tokens
+        ids = system + tuple(range(next_id, next_id + first))
+        next_id += first
+        t = start
+        while len(ids) * segment_tokens < max_tokens and len(out) < n:
+            out.append((t, len(ids) * segment_tokens, rng.randint(*output_tokens), ids))
+            add = max(1, round(len(ids) * rng.uniform(*growth)))
+            ids = ids + tuple(range(next_id, next_id + add))
+            next_id += add
+            t += rng.uniform(*think_s)
+    out.sort(key=lambda r: r[0])
+    t0 = out[0][0]
+    return [SimRequest(i, t - t0, length, m, ids, segment_tokens) for i, (t, length, m, ids) in enumerate(out)]
+
+
+def prefix_hit_tokens(reqs: list[SimRequest], block_size: int) -> list[int]:
+    """Per request, the prompt tokens in leading blocks an earlier request's prompt had (what
+    an unbounded prefix cache shared by every worker would hit)."""
+    seen: set[bytes] = set()
+    out = []
+    for r in reqs:
+        hashes = r.block_hashes(block_size)
+        k = 0
+        while k < len(hashes) and hashes[k] in seen:
+            k += 1
+        seen.update(hashes)
+        out.append(min(k * block_size, max(0, r.prompt_tokens - 1)))
+    return out
+
+
+def prefix_hit_share(reqs: list[SimRequest], block_size: int = 16) -> float:
+    """Share of all prompt tokens that are prefix hits (:func:`prefix_hit_tokens`)."""
+    total = sum(r.prompt_tokens for r in reqs)
+    return sum(prefix_hit_tokens(reqs, block_size)) / max(1, total)
