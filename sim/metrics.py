@@ -112,3 +112,17 @@ def summarize(r: SimResult, slo_ttft_s: float, slo_tpot_s: float) -> dict:
         "events": r.events,
         "kv": r.kv or {},
     }
+
+
+def meets_slos(summary: dict, slo_ttft: float, slo_tpot: float, attainment: float = 0.9,
+               slo_itl: float | None = None, percentile: int = 90) -> bool:
+    """Whether a simulated deployment meets the SLOs (:mod:`sim.plan`'s criterion): every request
+    finished, at least ``attainment`` of them within both per-request SLOs (their TTFT ≤
+    ``slo_ttft`` s and TPOT ≤ ``slo_tpot`` s, :func:`sim.metrics.summarize` counts them with
+    those SLOs) and, with ``slo_itl``, the pooled ITL at ``percentile`` ≤ ``slo_itl`` s."""
+    if summary["finished"] < summary["requests"] or summary["slo_attainment"] < attainment:
+        return False
+    if slo_itl is not None:
+        itl = summary["itl"][f"p{percentile}"]
+        return itl is not None and itl <= slo_itl
+    return True

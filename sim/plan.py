@@ -44,6 +44,7 @@ import os
 from pathlib import Path
 
 from sim import trace as traces
+from sim.metrics import meets_slos
 from sim.profile import CostModel, Profile
 from sim.simulator import Topology, simulate
 from sim.trace import Scaling
@@ -98,20 +99,6 @@ def candidates(n: int, share: float, modes: list[str], base: dict) -> list[Topol
             if mode in modes:
                 out += [Topology(mode=mode, prefill=p, decode=n - p, **base) for p in ps]
     return out
-
-
-def meets_slos(summary: dict, slo_ttft: float, slo_tpot: float, attainment: float = 0.9,
-               slo_itl: float | None = None, percentile: int = 90) -> bool:
-    """Whether a simulated deployment meets the SLOs (see module doc): every request
-    finished, at least ``attainment`` of them within both per-request SLOs (their TTFT ≤
-    ``slo_ttft`` s and TPOT ≤ ``slo_tpot`` s, :func:`sim.metrics.summarize` counts them with
-    those SLOs) and, with ``slo_itl``, the pooled ITL at ``percentile`` ≤ ``slo_itl`` s."""
-    if summary["finished"] < summary["requests"] or summary["slo_attainment"] < attainment:
-        return False
-    if slo_itl is not None:
-        itl = summary["itl"][f"p{percentile}"]
-        return itl is not None and itl <= slo_itl
-    return True
 
 
 def plan(reqs, profile: Profile, slo_ttft: float, slo_tpot: float, *, attainment: float = 0.9,

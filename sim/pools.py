@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from sim.plan import meets_slos
+from sim.metrics import meets_slos
 from sim.profile import CostModel, Profile
 from sim.simulator import Topology, simulate
 
