@@ -1,6 +1,7 @@
-"""The disaggregation payoff at cluster scale, on paper: p90 ITL of aggregated, disaggregated
+"""The disaggregation payoff by deployment size, on paper: p90 ITL of aggregated, disaggregated
 and conditional deployments of equal worker count on the Azure 2023 conversation trace, for
-each profile given, written as ``docs/scale.md``'s table and ``docs/scale.png``.
+each profile given, written as ``<out>/scale-by-size.md`` and ``.png`` (``docs/scale.md`` is the
+crossover map of :mod:`sim.sweep` since issue 34).
 
 ``python -m sim.scale --profile docs/profiles/a100-llama2-7b.json
 --profile docs/profiles/this-machine-smollm2.json [--workers 8,32,128] [--requests 8000]
@@ -104,7 +105,7 @@ def write_md(results: dict, path: Path, args) -> None:
     lines = ["# The disaggregation payoff at cluster scale (simulated)", "",
              "Written by `python -m sim.scale " + " ".join(f"--profile {p}" for p in args.profile) +
              f" --workers {args.workers} --requests {args.requests} --load {args.load}` "
-             "(`sim/scale.py`); raw numbers in `scale.json`, plot `scale.png`.", "",
+             "(`sim/scale.py`); raw numbers in `scale-by-size.json`, plot `scale-by-size.png`.", "",
              f"* Trace: the first {args.requests} requests of the Azure LLM inference trace 2023, conversation "
              f"(Splitwise, Patel et al., ISCA 2024), prompts capped at {args.max_prompt} and outputs at "
              f"{args.max_output} tokens, arrivals rescaled so the offered work is {args.load:.0%} of the "
@@ -118,7 +119,7 @@ def write_md(results: dict, path: Path, args) -> None:
              "NOT measured here; the other is `pdserve profile` on the 2-vCPU development machine "
              "(two workers per 2-core host, the services sharing the cores).",
              "* SLOs for goodput: TTFT ≤ max(2 s, 20 × prefill of 1024 tokens), TPOT ≤ 5 × a batch-1 decode step.",
-             "", table(results), "", "![p90 and p99 ITL against workers](scale.png)", ""]
+             "", table(results), "", "![p90 and p99 ITL against workers](scale-by-size.png)", ""]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt", type=int, default=4096)
     p.add_argument("--max-output", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--out", default="docs")
+    p.add_argument("--out", default="docs/scale-by-size")
     args = p.parse_args(argv)
     trace = azure("azure2023_conv.csv", args.requests, Scaling(1.0, args.max_prompt, args.max_output))
     results: dict = {}
@@ -155,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             results[prof.name][str(n)] = sizes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, out / "scale.png")
-    write_md(results, out / "scale.md", args)
+    (out / "scale-by-size.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, out / "scale-by-size.png")
+    write_md(results, out / "scale-by-size.md", args)
     print(table(results))
     return 0
 
