@@ -396,8 +396,9 @@ def plot(data: dict, path: Path) -> bool:
             if v:
                 mark = {"split wins": "S", "split loses": "A", "tie": "="}[v["outcome"]]
                 three = "!" if (v["itl_p90_ratio"] or 0) >= 3 else ""
+                dark = np.isfinite(z[i, j]) and abs(z[i, j]) > 0.6 * lim
                 ax.text(j, i, f"{mark}{three} {_x(v['tpot_p90_ratio'])}\n{v['attainment_gain']:+.2f}",
-                        ha="center", va="center", fontsize=7)
+                        ha="center", va="center", fontsize=7, color="white" if dark else "black")
     ax.set_xticks(range(len(loads)), [f"{x:.2f}" for x in loads])
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xlabel("load (offered work / capacity)")
