@@ -2,7 +2,8 @@
 
 ``pdserve simulate --profile FILE [--trace azure-conv] [--requests N] [--rate R]
 [--mode aggregated|disaggregated|conditional] [--workers N | --prefill P --decode D]
-[--host-cores C --workers-per-host W] [--json]``
+[--host-cores C --workers-per-host W] [--kv-store shm|redis|network]
+[--role prefill.max_prefill_chunk_tokens=4096 --role decode.max_num_seqs=32] [--json]``
 
 ``pdserve simulate sweep [--out docs/scale.json]``: the crossover map (:mod:`sim.sweep`).
 """
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft", type=float, default=5.0)
     p.add_argument("--slo-tpot", type=float, default=0.25)
     p.add_argument("--repeat", type=int, default=1, help="play the trace this many times back to back")
+    p.add_argument("--kv-store", default="", choices=("", "shm", "redis", "network"),
+                   help="the KV hand-off's store (default: the profile's)")
+    p.add_argument("--role", action="append", default=[], metavar="ROLE.SETTING=N",
+                   help="a per-role engine setting, e.g. prefill.max_prefill_chunk_tokens=4096 or "
+                        "decode.max_num_seqs=32 (repeatable)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv or [])
     bad = bad_argument(args)
@@ -70,11 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, TypeError):  # JSON, but not an object of a profile's fields
         print(f"pdserve simulate: {args.profile} is not a profile file")
         return 2
+    roles: dict = {}
+    for spec in args.role:
+        key, _, value = spec.partition("=")
+        role, _, setting = key.partition(".")
+        if role not in ("prefill", "decode") or not setting or not value.isdigit() or int(value) < 1:
+            print(f"pdserve simulate: --role {spec!r}: ROLE.SETTING=N with ROLE prefill or decode and N >= 1")
+            return 2
+        roles.setdefault(role, {})[setting] = int(value)
     topo = Topology(mode=args.mode, workers=args.workers, prefill=args.prefill, decode=args.decode,
                     host_cores=args.host_cores, workers_per_host=args.workers_per_host, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_chunk_tokens=args.chunk,
-                    local_max_tokens=args.local_max_tokens)
-    s = simulate(reqs, topo, profile, args.slo_ttft, args.slo_tpot)
+                    local_max_tokens=args.local_max_tokens, kv_store=args.kv_store, roles=roles)
+    try:
+        s = simulate(reqs, topo, profile, args.slo_ttft, args.slo_tpot)
+    except ValueError as exc:  # a store the profile has no figures for, an unknown role setting
+        print(f"pdserve simulate: {exc}")
+        return 2
     if args.json:
         print(json.dumps(s, indent=1))
     else:

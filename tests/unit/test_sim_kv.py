@@ -111,3 +111,21 @@ def test_heterogeneous_pools_price_prefill_from_their_profile():
     assert same["ttft"]["p50"] - het["ttft"]["p50"] == pytest.approx(c.prefill(2048) - cf.prefill(2048), rel=1e-6)
     with pytest.raises(ValueError, match="not the same model"):
         simulate(reqs, Topology(mode="disaggregated"), p, prefill_profile=_profile(kv_bytes_per_token=7))
+
+
+def test_simulate_command_takes_the_store_and_per_role_settings(tmp_path, capsys):
+    from sim import run
+
+    prof = _profile(kv_stores={"redis": SLOW}).save(tmp_path / "p.json")
+    common = ["--profile", str(prof), "--trace", "poisson:512:1", "--requests", "20", "--rate", "4",
+              "--mode", "disaggregated", "--max-output", "8", "--json"]
+    assert run.main(common + ["--kv-store", "redis", "--role", "decode.max_num_seqs=2"]) == 0
+    import json
+
+    s = json.loads(capsys.readouterr().out)
+    assert s["kv"]["store"] == "redis" and s["kv"]["put_s"] > 0 and s["finished"] == 20
+    assert run.main(common + ["--kv-store", "network"]) == 2
+    assert "no figures for the network KV store" in capsys.readouterr().out
+    assert run.main(common + ["--role", "decode.chunk=3"]) == 2
+    assert "unknown engine setting 'chunk'" in capsys.readouterr().out
+    assert run.main(common + ["--role", "middle.max_num_seqs=3"]) == 2
