@@ -54,6 +54,11 @@ def test_a_small_sweep_reports_what_its_numbers_say(tmp_path):
         assert split > agg or v["tpot_p90_ratio"] > 1
     for b in modes.values():
         assert b["itl_p50"] <= b["itl_p90"] <= b["itl_p99"] <= b["itl_p999"]
+    g = data["goodput_per_worker_at_90"]
+    assert set(g) == {f"a100-llama2-7b|azure-code|{m}" for m in sweep.MODES}
+    for mode, b in modes.items():  # met at the swept load: its rate per worker counts
+        if b["attainment"] >= 0.9:
+            assert g[f"a100-llama2-7b|azure-code|{mode}"] == pytest.approx(cell["rate"] / 4)
     sweep.write_md(data, tmp_path / "scale.md", "test")
     text = (tmp_path / "scale.md").read_text()
     assert "azure-code" in text and "3× lower" in text and "not validated" in text.replace("**", "")
