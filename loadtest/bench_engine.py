@@ -7,7 +7,9 @@ transformers — all in one run (ratios are what counts on a shared, noisy machi
 2. decode ms/step and tokens/s at batch 1, 8, 32 and 64 (context 512): batch 1 as a multiple
    of the memory-bandwidth roofline (weight bytes / bandwidth), larger batches as a fraction of
    the compute roofline (2 × parameters FLOPs per token at the measured matmul rate);
-3. prefill tokens/s at 128, 512 and 2048 tokens against the compute roofline;
+3. prefill tokens/s at 512, 2048 and 6000 tokens against the GEMM roofline (2 x parameters FLOPs
+   per token at the measured matmul rate) and against llama.cpp's prompt processing on the same
+   GGUF in the same run (issue 29: at least 1.5x llama.cpp's; at 2048 at least 60% of the roofline);
 4. TTFT of a 2048-token prompt cold, with 1792 of its tokens in this worker's prefix cache,
    and with those 1792 read from the KV store (put there by another worker);
 5. through HTTP in one run, at concurrency 1, 8 and 32: ITL p50, TTFT p50 and output tokens/s
@@ -112,6 +114,39 @@ def prefill_rates(settings: Settings, lengths: list[int]) -> dict[int, float]:
                 engine.step()
             best = min(best, time.perf_counter() - t)
         out[n] = best
+    return out
+
+
+def llama_prefill_rates(settings: Settings, threads: int, lengths: list[int]) -> dict[int, float] | str:
+    """llama.cpp's prompt processing rate (tokens/s, its own ``timings.prompt_per_second``) for one
+    cold prompt of each length on the same GGUF file, one slot, ``threads`` threads; best of two.
+    Returns a reason string instead when no llama-server or no GGUF is at hand."""
+    import httpx
+
+    from loadtest.baselines import LlamaCpp, find_llama_server
+    from loadtest.infra import free_port
+    from shared.model_files import default_gguf_path
+
+    binary = find_llama_server()
+    if binary is None:
+        return "no llama-server (pdserve bench engine --build-llama, or PD_LLAMA_SERVER=path)"
+    if settings.model:
+        return "PD_MODEL is set: llama.cpp needs the default GGUF"
+    out: dict[int, float] = {}
+    try:
+        with LlamaCpp(binary, default_gguf_path(), free_port(), threads, parallel=1,
+                      ctx_per_slot=max(lengths) + 64) as server:
+            for n in lengths:
+                rates = []
+                for rep in range(2):  # distinct prompts, no prompt cache: both runs cold
+                    prompt = [(3 * i + rep) % 40000 + 100 for i in range(n)]
+                    r = httpx.post(f"{server.url}/completion", timeout=600,
+                                   json={"prompt": prompt, "n_predict": 1, "cache_prompt": False, "temperature": 0})
+                    r.raise_for_status()
+                    rates.append(r.json()["timings"]["prompt_per_second"])
+                out[n] = max(rates)
+    except (RuntimeError, httpx.HTTPError, KeyError) as exc:
+        return f"llama-server failed: {exc}"
     return out
 
 
@@ -257,11 +292,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   batch {batch:>2}: {step * 1e3:7.1f} ms/step {tps:7.1f} tok/s = {frac * 100:5.1f}% of the compute "
                   f"roofline{note}")
 
-    prefill = prefill_rates(settings, [128, 512, 2048])
-    print("\n3. prefill (one prompt, cold)")
+    lengths = [512, 2048] if args.quick else [512, 2048, 6000]
+    prefill = prefill_rates(settings, lengths)
+    llama = llama_prefill_rates(settings, threads, lengths)
+    print("\n3. prefill (one prompt, cold), against llama.cpp's prompt processing on the same GGUF "
+          f"(-t {threads}, its own timings)")
+    if isinstance(llama, str):
+        print(f"   llama.cpp: {llama}")
     for n, secs in prefill.items():
         tps = n / secs
-        print(f"   {n:>4} tokens: {secs * 1e3:8.1f} ms  {tps:7.0f} tok/s = {tps / roof_tps * 100:5.1f}% of the compute roofline")
+        line = (f"   {n:>4} tokens: {secs * 1e3:8.1f} ms  {tps:7.0f} tok/s = {tps / roof_tps * 100:5.1f}% of the "
+                f"GEMM roofline")
+        if n == 2048:
+            line += f" (target ≥ 60%: {'meets' if tps / roof_tps >= 0.6 else 'MISSES'})"
+        if isinstance(llama, dict) and n in llama:
+            ratio = tps / llama[n]
+            line += (f"; llama.cpp {llama[n]:6.0f} tok/s, pdserve/llama.cpp {ratio:4.2f}x "
+                     f"(target ≥ 1.5x: {'meets' if ratio >= 1.5 else 'MISSES'})")
+        print(line)
 
     pt = prefix_ttft(settings)
     print("\n4. TTFT of a 2048-token prompt")

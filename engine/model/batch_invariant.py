@@ -159,6 +159,7 @@ class InvariantAttention:
         self.write_kv = base.write_kv
         self.gather_kv = getattr(base, "gather_kv", None)
         self._per_token = base.__name__ != "kernels.cpu"  # the reference batches: call it per query
+        self._ext = None if self._per_token else base.load()
 
     def paged_decode_attention(self, query, k_cache, v_cache, block_tables, context_lens, scale):
         """Same contract as :func:`kernels.attention.paged_decode_attention`."""
@@ -171,7 +172,14 @@ class InvariantAttention:
     def paged_prefill_attention(self, query, k_cache, v_cache, block_table, context_len, scale):
         """Same contract as :func:`kernels.attention.paged_prefill_attention`: ``query [n, H, D]``
         are the last ``n`` positions of a context of ``context_len`` tokens already written to
-        the cache; query ``i`` attends over positions ``0 .. context_len - n + i``."""
+        the cache; query ``i`` attends over positions ``0 .. context_len - n + i``.
+
+        With the C++ kernels this is ``paged_prefill_attention_tiled`` (kernels/cpu/paged_attention.cpp):
+        each query reduced exactly as one decode query over the same context, with K and V read
+        once per tile of queries instead of once per query; otherwise one decode query per token."""
+        if not self._per_token:  # the C++ kernels: the tiled kernel, same per-query arithmetic
+            return self._ext.paged_prefill_attention_tiled(query, k_cache, v_cache, block_table, int(context_len),
+                                                           float(scale), 0)
         n = query.shape[0]
         tables = block_table.unsqueeze(0).expand(n, -1)
         lens = torch.arange(context_len - n + 1, context_len + 1, dtype=torch.long)

@@ -131,7 +131,7 @@ class FusedDecode:
                                 meta.kv_cache, meta.attention)
 
     def hidden_rows(self, ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                    slots: torch.Tensor, cache, attention) -> torch.Tensor:
+                    slots: torch.Tensor, cache, attention, runs: list | None = None) -> torch.Tensor:
         """The final hidden states of ``M <= MAX_ROWS`` tokens, each one query over its own
         context in the KV cache.
 
@@ -140,6 +140,10 @@ class FusedDecode:
             tables: ``[M, max_blocks]`` int64, the block table of each token's sequence.
             lens: ``[M]`` int64, each token's context length including itself (``pos + 1``).
             cache: the :class:`engine.kv_cache.PagedKVCache`; attention: the kernels module.
+            runs: :func:`attention_runs` of these rows, or None (every row a decode query). A
+                prefill run goes to ``attention.paged_prefill_attention`` (the batch-invariant
+                mode's tiled kernel: the decode kernel's arithmetic per query, K/V read once
+                per tile of queries); the rest to ``paged_decode_attention``.
 
         Returns:
             float32 ``[M, hidden]``. Writes the tokens' keys and values to their slots in every
@@ -153,7 +157,15 @@ class FusedDecode:
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(i)
             q = layer.attn_in(x, cos, sin, k_cache, v_cache, slots)
-            out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.scales[i])
+            if runs is None:
+                out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, self.scales[i])
+            else:
+                out = torch.empty_like(q)
+                for a, b, table, context_len in runs:
+                    out[a:b] = (attention.paged_decode_attention(q[a:b], k_cache, v_cache, tables[a:b], lens[a:b],
+                                                                 self.scales[i]) if table is None else
+                                attention.paged_prefill_attention(q[a:b], k_cache, v_cache, table, context_len,
+                                                                  self.scales[i]))
             layer.attn_out(x, out)
         return self.ext.rms_norm(x, self.norm_weight, self.norm_eps)
 
@@ -174,9 +186,12 @@ class FusedDecode:
         of every token, also when ``keep`` is empty.
         """
         tables, lens = token_tables(meta)
+        # prefill runs to the tiled kernel only where it keeps the decode kernel's per-query
+        # arithmetic (engine.model.batch_invariant.InvariantAttention); else one query per token
+        tiled = getattr(meta.attention, "always_paged", False)
         hidden = [self.hidden_rows(ids[s:s + MAX_ROWS], pos[s:s + MAX_ROWS], tables[s:s + MAX_ROWS],
                                    lens[s:s + MAX_ROWS], meta.slot_mapping[s:s + MAX_ROWS], meta.kv_cache,
-                                   meta.attention)
+                                   meta.attention, attention_runs(meta, s, min(s + MAX_ROWS, ids.shape[0])) if tiled else None)
                   for s in range(0, ids.shape[0], MAX_ROWS)]
         return self._head(torch.cat(hidden)[keep])
 
@@ -185,6 +200,23 @@ class FusedDecode:
         if not isinstance(head, BlockLinear):
             h = h.to(head.weight.dtype)
         return head(h).float()
+
+
+def attention_runs(meta, start: int, stop: int) -> list[tuple[int, int, torch.Tensor | None, int]]:
+    """The packed tokens ``start .. stop - 1`` of a step as runs, indices relative to ``start``:
+    ``(a, b, None, 0)`` for decode queries, ``(a, b, block_table, context_len)`` for consecutive
+    queries of one prefill chunk (the last ``b - a`` positions of a context of ``context_len``
+    tokens, ``block_table`` the sequence's ``[max_blocks]`` int64 table)."""
+    runs: list[tuple[int, int, torch.Tensor | None, int]] = []
+    nd = min(meta.num_decode_tokens, stop)
+    if nd > start:
+        runs.append((0, nd - start, None, 0))
+    for seg in meta.prefills:
+        a, b = max(start, seg.query_start), min(stop, seg.query_start + seg.query_len)
+        if a < b:  # query j of the chunk sees context_len - query_len + j + 1 tokens
+            runs.append((a - start, b - start, seg.block_table,
+                         seg.context_len - seg.query_len + (b - seg.query_start)))
+    return runs
 
 
 def token_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,10 @@
 
 #include "exp_poly.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // 8 float32 lanes (GCC/Clang vector extension: AVX/AVX2 registers on x86, two NEON registers
@@ -43,7 +47,45 @@ inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// out[j] = q . k_j for the n rows k_j = k + j * stride (each `D` floats).
+#if defined(__AVX2__)
+// out[j] = hsum(a[j]) for j < 8, bit for bit: the same additions as hsum, in the same order, for
+// eight vectors at once (a transpose by lane-pair adds and horizontal adds) instead of eight
+// scalar reductions. Level 1 adds lane i and i + 4 of each vector (two vectors per register),
+// the first hadd forms (b0 + b1) and (b2 + b3), the second their sum; fp addition is
+// commutative, so hadd's operand order changes nothing.
+inline void hsum8(const v8f a[8], float* out) {
+  __m256 p[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x0 = reinterpret_cast<const __m256&>(a[2 * i]), x1 = reinterpret_cast<const __m256&>(a[2 * i + 1]);
+    p[i] = _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
+  }
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));  // s0 s2 s4 s6 s1 s3 s5 s7
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#else
+inline void hsum8(const v8f a[8], float* out) {
+  for (int j = 0; j < 8; ++j) out[j] = hsum(a[j]);
+}
+#endif
+
+// max(m, x[0], ..., x[n - 1]) (exact in any order for non-NaN values, so vectorized).
+inline float max_into(float m, const float* x, int64_t n) {
+  int64_t j = 0;
+  if (n >= 8) {
+    v8f mv = v8f{} + m;
+    for (; j + 8 <= n; j += 8) {
+      const v8f xv = load8(x + j);
+      mv = xv > mv ? xv : mv;
+    }
+    for (int i = 0; i < 8; ++i) m = std::max(m, mv[i]);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// out[j] = q . k_j for the n rows k_j = k + j * stride (each `D` floats). Per key: one
+// accumulator over the D / 8 vectors in order, then hsum's fixed tree; the grouping of keys
+// (eight, four or one at a time) changes only speed.
 template <int64_t DC>
 inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float* out) {
   if constexpr (DC > 0 && DC % 8 == 0) {
@@ -51,6 +93,13 @@ inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t n, 
     v8f qv[V];
     for (int64_t v = 0; v < V; ++v) qv[v] = load8(q + 8 * v);
     int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {  // eight keys: eight independent FMA chains, one transposed reduction
+      v8f a[8];
+      for (int r = 0; r < 8; ++r) a[r] = qv[0] * load8(k + (j + r) * stride);
+      for (int64_t v = 1; v < V; ++v)
+        for (int r = 0; r < 8; ++r) a[r] += qv[v] * load8(k + (j + r) * stride + 8 * v);
+      hsum8(a, out + j);
+    }
     for (; j + 4 <= n; j += 4) {  // four keys: four independent FMA chains
       const float* k0 = k + j * stride;
       const float* k1 = k0 + stride;
@@ -252,9 +301,7 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
       for_each_block(kc, [&](int64_t h, const float* k, int64_t stride, int64_t t0, int64_t n) {
         float* sc = scores.data() + h * len + t0;
         dot_rows<DC>(qs.data() + h * D, k, stride, n, D, sc);
-        float mh = m[h];
-        for (int64_t j = 0; j < n; ++j) mh = std::max(mh, sc[j]);
-        m[h] = mh;
+        m[h] = max_into(m[h], sc, n);
       });
       // softmax weights
       for (int64_t h = 0; h < qheads; ++h) inv[h] = 1.f / exp_sub_sum(scores.data() + h * len, len, m[h]);
@@ -271,6 +318,126 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
   });
 }
 
+// Prefill attention with the decode kernel's arithmetic per query (batch-invariant prefill):
+// the n queries are the last n positions of one sequence's context of `context_len` tokens
+// (query i sees positions 0 .. context_len - n + i, causal), and each (query, head) is reduced
+// by exactly the instruction sequence `run` uses for one decode query over the same context:
+// the same scaling of q, dot_rows per block of keys in block order, the max, exp_sub_sum over
+// its own contiguous score row, axpy_rows per block of values in block order, the same final
+// scale. So a token's attention output is bit-identical whether it was decoded alone or
+// prefilled in any chunk (tests/unit/test_batch_invariance.py checks it).
+//
+// What differs from calling `run` with n queries is the memory traffic: a work item is one KV
+// head and a tile of consecutive queries, and each block of K (then V) is read (and, for bf16
+// caches, widened to float32) once per tile and used by every query of the tile and every query
+// head of the group while it sits in L1 — FlashAttention's tiling of queries over key blocks
+// (Dao et al., 2022), kept to a fixed per-query reduction order as batch-invariant kernels do
+// ("Defeating Nondeterminism in LLM Inference", He & Thinking Machines Lab, 2025). Per query
+// the decode kernel reads its whole context, so a prefill of n tokens read O(n^2) K/V rows;
+// here it reads O(n^2 / tile).
+//   query       [n, num_heads, head_dim] float32
+//   block_table [max_blocks] int64 (the sequence's blocks, covering context_len tokens)
+//   returns     [n, num_heads, head_dim] float32
+template <typename KV, int64_t DC>
+void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const torch::Tensor& block_table, int64_t context_len, double scale, int64_t tile_arg,
+                 torch::Tensor& out) {
+  const int64_t n = query.size(0), num_heads = query.size(1);
+  const int64_t D = DC > 0 ? DC : query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * D;
+  const int64_t block_stride = block_size * row;
+  const int64_t prefix = context_len - n;
+  // Queries per tile: the tile's score rows (tile * group * context_len floats) kept near
+  // 1 MiB, so they stay in L2 between the two passes; 4..64. Only speed depends on it.
+  int64_t tile = tile_arg > 0 ? tile_arg : (int64_t{1} << 18) / std::max<int64_t>(1, group * context_len);
+  tile = std::clamp<int64_t>(tile, tile_arg > 0 ? 1 : 4, 64);
+  if (tile_arg <= 0) tile = (n + (n + tile - 1) / tile - 1) / ((n + tile - 1) / tile);  // even tiles
+  const int64_t num_tiles = (n + tile - 1) / tile;
+
+  const float* q = query.data_ptr<float>();
+  const KV* kc = k_cache.data_ptr<KV>();
+  const KV* vc = v_cache.data_ptr<KV>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+
+  // items: (tile, kv head), the largest tiles (the last queries see the most keys) first
+  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows_max = tile * group;
+    std::vector<float> scores(static_cast<size_t>(rows_max * context_len));
+    std::vector<float> qs(static_cast<size_t>(rows_max * D)), acc(static_cast<size_t>(rows_max * D));
+    std::vector<float> blk_f(static_cast<size_t>(block_size * D));
+    std::vector<float> m(static_cast<size_t>(rows_max)), inv(static_cast<size_t>(rows_max));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t ti = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
+      const int64_t i0 = ti * tile, i1 = std::min(n, i0 + tile), T = i1 - i0;
+      const int64_t max_len = prefix + i1;  // the tile's last query's context
+      // score row of (query r of the tile, head h of the group): its own max_len floats
+      auto score_row = [&](int64_t r, int64_t h) { return scores.data() + (r * group + h) * max_len; };
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = q + ((i0 + r) * num_heads + g * group + h) * D;
+          float* dst = qs.data() + (r * group + h) * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = qh[i] * s;
+        }
+      auto block_rows = [&](const KV* base, int64_t nb, int64_t& stride) -> const float* {
+        if constexpr (std::is_same_v<KV, float>) {
+          stride = row;
+          return base;
+        } else {
+          float* dst = blk_f.data();
+          for (int64_t j = 0; j < nb; ++j) {
+            const uint16_t* src = reinterpret_cast<const uint16_t*>(base + j * row);
+            uint32_t* d = reinterpret_cast<uint32_t*>(dst + j * D);
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+          }
+          stride = D;
+          return dst;
+        }
+      };
+      // fn(r, h, rows, stride, t0, tokens of the block query r sees) for every query of the
+      // tile whose context reaches the block, blocks in order
+      auto for_each_block = [&](const KV* cache, auto&& fn) {
+        for (int64_t t0 = 0, blk = 0; t0 < max_len; t0 += block_size, ++blk) {
+          const int64_t nb = std::min(block_size, max_len - t0);
+          if (t0 + block_size < max_len)
+            prefetch_rows(cache + table[blk + 1] * block_stride + g * D, std::min(block_size, max_len - t0 - block_size),
+                          row, D);
+          int64_t stride;
+          const float* rows = block_rows(cache + table[blk] * block_stride + g * D, nb, stride);
+          for (int64_t r = std::max<int64_t>(0, t0 - prefix - i0); r < T; ++r) {  // query r sees t < prefix + i0 + r + 1
+            const int64_t nr = std::min(nb, prefix + i0 + r + 1 - t0);
+            for (int64_t h = 0; h < group; ++h) fn(r, h, rows, stride, t0, nr);
+          }
+        }
+      };
+      for (int64_t k = 0; k < T * group; ++k) m[k] = -std::numeric_limits<float>::infinity();
+      for_each_block(kc, [&](int64_t r, int64_t h, const float* k, int64_t stride, int64_t t0, int64_t nr) {
+        float* sc = score_row(r, h) + t0;
+        dot_rows<DC>(qs.data() + (r * group + h) * D, k, stride, nr, D, sc);
+        m[r * group + h] = max_into(m[r * group + h], sc, nr);
+      });
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t h = 0; h < group; ++h)
+          inv[r * group + h] = 1.f / exp_sub_sum(score_row(r, h), prefix + i0 + r + 1, m[r * group + h]);
+      std::fill(acc.begin(), acc.begin() + T * group * D, 0.f);
+      for_each_block(vc, [&](int64_t r, int64_t h, const float* v, int64_t stride, int64_t t0, int64_t nr) {
+        axpy_rows<DC>(score_row(r, h) + t0, v, stride, nr, D, acc.data() + (r * group + h) * D);
+      });
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t h = 0; h < group; ++h) {
+          float* oh = o + ((i0 + r) * num_heads + g * group + h) * D;
+          const float* a = acc.data() + (r * group + h) * D;
+          const float iv = inv[r * group + h];
+          for (int64_t i = 0; i < D; ++i) oh[i] = a[i] * iv;
+        }
+    }
+  });
+}
+
 template <typename KV>
 void dispatch(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
               const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
@@ -278,6 +445,17 @@ void dispatch(const torch::Tensor& query, const torch::Tensor& k_cache, const to
     case 64: return run<KV, 64>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
     case 128: return run<KV, 128>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
     default: return run<KV, 0>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
+  }
+}
+
+template <typename KV>
+void dispatch_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& block_table, int64_t context_len, double scale, int64_t tile,
+                      torch::Tensor& out) {
+  switch (query.size(2)) {
+    case 64: return run_prefill<KV, 64>(query, k_cache, v_cache, block_table, context_len, scale, tile, out);
+    case 128: return run_prefill<KV, 128>(query, k_cache, v_cache, block_table, context_len, scale, tile, out);
+    default: return run_prefill<KV, 0>(query, k_cache, v_cache, block_table, context_len, scale, tile, out);
   }
 }
 
@@ -296,6 +474,30 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     dispatch<float>(q, k_cache, v_cache, tables, lens, scale, out);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
     dispatch<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+  }
+  return out.to(query.scalar_type());
+}
+
+// Batch-invariant prefill attention (run_prefill above): query [n, H, D] are the last n positions
+// of a context of context_len tokens already in the cache; tile <= 0 picks the tile size.
+torch::Tensor paged_prefill_attention_tiled(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                            torch::Tensor block_table, int64_t context_len, double scale,
+                                            int64_t tile) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(context_len >= query.size(0), "context_len must cover the queries");
+  auto q = query.to(torch::kFloat32).contiguous();
+  auto table = block_table.to(torch::kInt64).contiguous();
+  TORCH_CHECK(table.dim() == 1 && table.size(0) * k_cache.size(1) >= context_len, "block_table too short");
+  auto out = torch::empty_like(q);
+  if (q.size(0) == 0) return out.to(query.scalar_type());
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    dispatch_prefill<float>(q, k_cache, v_cache, table, context_len, scale, tile, out);
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    dispatch_prefill<at::BFloat16>(q, k_cache, v_cache, table, context_len, scale, tile, out);
   } else {
     TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
   }
@@ -419,5 +621,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm over the last dimension (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("paged_prefill_attention_tiled", &paged_prefill_attention_tiled, py::call_guard<py::gil_scoped_release>(),
+        "batch-invariant prefill attention: the decode kernel's per-query arithmetic, K/V read once per query tile (CPU)");
   m.def("linear_small_batch", &linear_small_batch, py::call_guard<py::gil_scoped_release>(), "x W^T for a few rows of x (CPU)");
 }

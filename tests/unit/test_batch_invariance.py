@@ -272,3 +272,59 @@ def test_mode_off_changes_logits(bf16_model, monkeypatch):
     # which of the two torch's matmuls give away depends on the CPU and its kernels (on one
     # AVX512-BF16 EPYC the neighbours left the rows alone, chunking did not): at least one must
     assert beside.logits != alone.logits or chunked.logits != whole.logits
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_tiled_prefill_attention_equals_decode_queries(kv_dtype):
+    """The tiled prefill kernel reduces each query exactly as one decode query over the same
+    context: bit-identical for prompts with and without a cached prefix, at tile edges (1, 3, the
+    default, 64), block edges and head layouts other than SmolLM2's."""
+    from kernels import cpu
+
+    try:
+        ext = cpu.load()
+    except RuntimeError as exc:
+        pytest.skip(f"no C++ extension: {exc}")
+    gen = torch.Generator().manual_seed(7)
+    cases = [  # (context_len, queries, block_size, heads, kv heads, head_dim)
+        (1, 1, 16, 9, 3, 64), (17, 5, 16, 9, 3, 64), (130, 130, 16, 9, 3, 64), (300, 37, 4, 9, 3, 64),
+        (513, 512, 16, 9, 3, 64), (700, 65, 16, 4, 2, 128), (90, 90, 4, 4, 4, 48),
+    ]
+    for context_len, n, block_size, heads, kv_heads, head_dim in cases:
+        blocks = -(-context_len // block_size)
+        k = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+        v = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+        table = torch.randperm(blocks + 2, generator=gen)[:blocks]
+        q = torch.randn(n, heads, head_dim, generator=gen)
+        lens = torch.arange(context_len - n + 1, context_len + 1)
+        decoded = ext.paged_decode_attention(q, k, v, table.unsqueeze(0).expand(n, -1).contiguous(), lens, 0.125)
+        alone = torch.cat([ext.paged_decode_attention(q[i:i + 1], k, v, table.unsqueeze(0), lens[i:i + 1], 0.125)
+                           for i in (0, n // 2, n - 1)])
+        assert torch.equal(alone, decoded[[0, n // 2, n - 1]])
+        for tile in (0, 1, 3, 64):
+            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile)
+            assert torch.equal(tiled, decoded), (context_len, n, block_size, heads, kv_heads, head_dim, tile)
+        # against the float64 reference: the kernel computes attention, not just something stable
+        kk = k[table].flatten(0, 1)[:context_len].double().repeat_interleave(heads // kv_heads, dim=1)
+        vv = v[table].flatten(0, 1)[:context_len].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("nhd,thd->nht", q.double(), kk) * 0.125
+        mask = torch.arange(context_len)[None, :] >= lens[:, None]
+        scores.masked_fill_(mask[:, None, :], float("-inf"))
+        ref = torch.einsum("nht,thd->nhd", scores.softmax(-1), vv)
+        torch.testing.assert_close(decoded.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_long_prompt_chunked_at_tile_and_block_edges(bf16_model, monkeypatch):
+    """A prompt longer than a fused call (64 rows) and than the kernel's tiles, prefilled whole,
+    in chunks that cut calls, tiles and blocks at odd places, and with a prefix hit: the same
+    tokens and the same logits bytes."""
+    model, _ = bf16_model
+    prompt = prompts([150], model.config.vocab_size, seed=11)[0]
+    whole = run(make_engine(model), [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
+    for chunk in (65, 97):
+        assert run(make_engine(model, max_prefill_chunk_tokens=chunk), [(0, "l", prompt, GREEDY)],
+                   monkeypatch)["l"] == whole, chunk
+    engine = make_engine(model, enable_prefix_caching=True)
+    run(engine, [(0, "warm", prompt[:70], GREEDY)], monkeypatch)
+    hit = run(engine, [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
+    assert hit.cached > 0 and hit == whole
