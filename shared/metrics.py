@@ -111,6 +111,19 @@ def gateway_metrics() -> dict:
     }
 
 
+@functools.cache
+def admission_metrics() -> dict:
+    """Admission by predicted wait (``services/gateway/tenancy/waits.py``)."""
+    return {
+        "decisions": Counter("pd_gateway_admission_total", "admission decisions by predicted wait",
+                             ["decision", "reason"]),
+        "predicted_wait": Histogram("pd_gateway_predicted_wait_seconds",
+                                    "predicted queue time of each new request", buckets=LATENCY_BUCKETS),
+        "backlog_tokens": Gauge("pd_gateway_admitted_backlog_tokens",
+                                "prompt tokens this gateway admitted that have no first token yet"),
+    }
+
+
 class ProbeServer:
     """``/metrics`` (Prometheus text), ``/healthz`` (200 while the process runs) and
     ``/readyz`` (200 when ``is_ready()``, else 503) on a daemon thread.
