@@ -41,7 +41,6 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.errors import EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import block_key
-from shared.metrics import kv_ledger_metrics
 from shared.messages import (
     Abort,
     DecodeTask,
@@ -53,6 +52,7 @@ from shared.messages import (
     TokenResend,
     decode_as,
 )
+from shared.metrics import kv_ledger_metrics
 from shared.streams import Piece, SentStreams, StreamSender
 from shared.timeline import now_mark
 from shared.tracing import span, start_span

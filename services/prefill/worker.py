@@ -40,7 +40,6 @@ from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavaila
 from shared.kv import BLOCK, TAIL, block_key, tail_key
 from shared.kv.layout import KVHandle
 from shared.kv.ledger import KVLedger, ShmKVLedger
-from shared.metrics import kv_ledger_metrics
 from shared.messages import (
     Abort,
     DecodeTask,
@@ -49,6 +48,7 @@ from shared.messages import (
     StreamSpec,
     TokenChunk,
 )
+from shared.metrics import kv_ledger_metrics
 from shared.recovery import work_id
 from shared.timeline import with_mark
 from shared.tracing import span

@@ -70,8 +70,8 @@ def test_orphan_rules():
     base = dict(request_id="r", owner="prefill-a", owner_stage="prefill", lease_until=now + 30, deadline_at=now + 60)
     staged = LedgerEntry(state=STAGED, **base)
     alive = {"prefill-a"}.__contains__
-    dead = (lambda i: False)
-    never = (lambda r: False)
+    dead = set().__contains__
+    never = set().__contains__
     assert orphan_reason(staged, now, alive, never) is None
     assert orphan_reason(staged, now + 31, alive, never) == "lease_expired"
     late = LedgerEntry(state=STAGED, **{**base, "lease_until": now + 100})
