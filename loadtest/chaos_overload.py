@@ -118,7 +118,8 @@ def run_overload(url: str, model: str, settings, plan: OverloadPlan, seed: int =
 
     figures = {
         "sustained_rps": sustained, "rate_rps": rate, "duration_s": plan.duration_s, "deadline_s": deadline_s,
-        "prompt_words": plan.prompt_words, "sent": len(outcomes), "completed": count("completed"),
+        "prompt_words": plan.prompt_words, "sent": len(outcomes), "sent_rps": len(outcomes) / plan.duration_s,
+        "completed": count("completed"),
         "refused_503": len(refused), "typed_errors": count("failed") - len(refused),
         "hung": count("hung"), "broken": count("broken"),
         "late": sum(o.seconds > deadline_s + LATE_MARGIN_S and o.status != "hung" for o in outcomes),
@@ -138,8 +139,8 @@ def format_overload(o: dict, leftovers: tuple[int, int, int]) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     lines = [f"overload: {o['rate_rps']:.3f} req/s ({o['rate_rps'] / o['sustained_rps']:.1f}x the sustained "
-             f"{o['sustained_rps']:.3f}) for {o['duration_s']:.0f}s, {o['prompt_words']}-word prompts, "
-             f"deadline {o['deadline_s']:.0f}s",
+             f"{o['sustained_rps']:.3f}; {o.get('sent_rps', 0.0):.3f} sent) for {o['duration_s']:.0f}s, "
+             f"{o['prompt_words']}-word prompts, deadline {o['deadline_s']:.0f}s",
              f"{'sent':>5} {'completed':>9} {'503 refused':>11} {'typed errors':>12} {'HUNG':>5} {'LATE':>5} "
              f"{'broken':>6} {'leaked B/blk/rec':>16} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'TTFT max s':>10} {'deadline s':>10}",
              f"{o['sent']:>5} {o['completed']:>9} {o['refused_503']:>11} {o['typed_errors']:>12} {o['hung']:>5} "

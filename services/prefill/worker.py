@@ -77,20 +77,22 @@ class KVStager:
         present = self.store.exists(keys) if keys else []
         missing = {k: buf for k, buf, p in zip(keys, prompt_kv.blocks, present) if not p}
         have = [k for k, p in zip(keys, present) if p]
+        tkey = tail_key(request_id) if prompt_kv.tail is not None else None
+        if self.ledger is not None:
+            # recorded before the tail is written: a reaper that judged an older record of this
+            # request (its owner died, this is the redelivery) then finds it changed and keeps
+            # both the record and the tail
+            tail_bytes = memoryview(prompt_kv.tail).nbytes if tkey else 0
+            self.ledger.staged(request_id, self.owner, "prefill", self.tail_ttl_s, deadline_at, tail_bytes,
+                               sum(memoryview(b).nbytes for b in missing.values()), tkey)
+            kv_ledger_metrics()["transitions"].labels("staged").inc()
         written = 0
         if missing:
             written += self.store.put(missing, self.block_ttl_s)
         if have:
             self.store.touch(have, self.block_ttl_s)
-        tkey, tail_bytes = None, 0
-        if prompt_kv.tail is not None:
-            tkey = tail_key(request_id)
-            tail_bytes = self.store.put({tkey: prompt_kv.tail}, self.tail_ttl_s)
-            written += tail_bytes
-        if self.ledger is not None:
-            self.ledger.staged(request_id, self.owner, "prefill", self.tail_ttl_s, deadline_at, tail_bytes,
-                               written - tail_bytes, tkey)
-            kv_ledger_metrics()["transitions"].labels("staged").inc()
+        if tkey:
+            written += self.store.put({tkey: prompt_kv.tail}, self.tail_ttl_s)
         handle = KVHandle(store=self.store.name, layout=layout, block_hashes=list(prompt_kv.block_hashes),
                           num_tokens=prompt_kv.num_tokens, tail_key=tkey)
         return handle, written
