@@ -59,7 +59,8 @@ def _metric(settings, stage: str, name: str, labels: str = "") -> float:
 
 def test_ledger_records_are_released_and_a_killed_owners_handle_is_reclaimed(tmp_path, tiny_model_dir, nats_url):
     ns = f"led{uuid.uuid4().hex[:8]}"
-    with deployment(tmp_path, str(tiny_model_dir), ns, kv_store="shm", block_size=4) as dep:
+    # the reference attention: no C++ kernel to build (the ledger is what is under test)
+    with deployment(tmp_path, str(tiny_model_dir), ns, kv_store="shm", block_size=4, attention_backend="reference") as dep:
         settings = dep.settings
         store = open_store(settings)
         ledger = ledger_for(store)
