@@ -150,3 +150,18 @@ def test_a_reaper_that_just_started_judges_no_owner(store):
     stage(ledger, store, "r", owner="prefill-unknown")
     assert asyncio.run(KVReaper(worker, ledger, store).sweep()).num_orphaned == 0
     assert [e.request_id for e in ledger.entries()] == ["r"]
+
+
+def test_pdserve_kv_ledger_lists_the_records(tmp_path, monkeypatch, capsys):
+    from services.cli import main
+
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("PD_NAMESPACE", ns)
+    monkeypatch.setenv("PD_SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("PD_KV_STORE", "shm")
+    store = open_store(Settings.from_env({}, namespace=ns, shm_dir=str(tmp_path)))
+    stage(ledger_for(store), store, "chatcmpl-listed-0", owner="prefill-x", nbytes=777)
+    assert main(["kv", "ledger"]) == 0
+    out = capsys.readouterr().out
+    assert "1 staged KV handle(s)" in out and "777 request-scoped bytes" in out
+    assert "chatcmpl-listed-0" in out and "prefill-x" in out and "staged" in out
