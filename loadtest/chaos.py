@@ -14,6 +14,11 @@ streamed requests at ``--concurrency``:
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
 * ``disconnect``: a third of the clients go away at a random point of their stream;
+* ``overload`` (asked for by name, not in the default list): long prompts arrive open-loop at
+  ``--overload-factor`` (4) times the rate the deployment sustains (measured first: long
+  prompts at a concurrency of the prefill replicas) for ``--overload-duration`` (60) seconds
+  (``loadtest/chaos_overload.py``): each must complete or get a typed error (most a 503 from
+  admission) within its deadline, and the admitted ones' TTFT p99 stay within it;
 * with ``--nats-cluster 3``: ``nats-node``, ``nats-partition``, ``nats-freeze`` and
   ``nats-partition-gateway`` (``loadtest/chaos_cluster.py``).
 
@@ -25,14 +30,14 @@ OpenAI error body, or a final SSE error event), disconnected on purpose, **hung*
 within the deadline plus a margin: must be 0), completed requests whose text differs from
 the greedy reference (**wrong**: must be 0), broken streams (ended without [DONE] or an
 error: must be 0), and what is left after the run once leases have passed: **staged KV
-bytes** in the store and KV blocks still held in the workers' pools (both must be 0).
+bytes** in the store, KV blocks still held in the workers' pools and **records in the KV
+ledger** (``shared/kv/ledger.py``: handles staged and never released or reclaimed) — all must be 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import threading
@@ -43,11 +48,14 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.chaos_client import Outcome, one_request, run_load  # noqa: F401 (re-exported)
 from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
 SCENARIOS = ("decode", "prefill", "nats", "redis", "disconnect", "postfilter")
+#: Scenarios run only when named (``--scenarios overload``).
+EXTRA_SCENARIOS = ("overload",)
 TOPICS = ["rivers", "the sea", "mountains", "a small robot", "bread", "winter", "trains", "music", "bees", "clocks"]
 
 
@@ -58,82 +66,6 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
         words = " ".join(rng.choice(TOPICS) for _ in range(rng.randrange(1, 12)))
         out.append(f"Request {i}: write about {words}.")
     return out
-
-
-@dataclass
-class Outcome:
-    status: str  # completed | failed | disconnected | hung | broken
-    text: str = ""
-    error: str = ""
-    seconds: float = 0.0
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                      leave_after: int | None, hang_s: float) -> Outcome:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    started = time.monotonic()
-    pieces: list[str] = []
-
-    async def go() -> Outcome:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    err = json.loads(raw)["error"]
-                    return Outcome("failed", error=f"{resp.status_code} {err.get('code')}: {err['message']}")
-                except Exception:
-                    return Outcome("broken", error=f"{resp.status_code} without an error object: {raw[:200]!r}")
-            seen = 0
-            finished = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
-                    return Outcome("completed" if finished else "broken", "".join(pieces),
-                                   error="" if finished else "[DONE] before a finish_reason")
-                event = json.loads(payload)
-                if "error" in event:
-                    return Outcome("failed", "".join(pieces), error=f"{event['error'].get('code')}: {event['error']['message']}")
-                for choice in event["choices"]:
-                    pieces.append(choice["delta"].get("content") or "")
-                    finished = finished or choice["finish_reason"] is not None
-                seen += 1
-                if leave_after is not None and seen >= leave_after:
-                    return Outcome("disconnected", "".join(pieces))
-            return Outcome("broken", "".join(pieces), error="stream ended without [DONE]")
-
-    try:
-        out = await asyncio.wait_for(go(), hang_s)
-    except TimeoutError:
-        out = Outcome("hung", "".join(pieces), error=f"no end after {hang_s:.0f}s")
-    except httpx.HTTPError as exc:
-        out = Outcome("broken", "".join(pieces), error=f"{type(exc).__name__}: {exc}")
-    out.seconds = time.monotonic() - started
-    return out
-
-
-async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                   leave_rate: float, hang_s: float, seed: int, keep_going=lambda: False) -> list[tuple[int, Outcome]]:
-    """Send prompts in order (cycling) from ``concurrency`` clients until all were sent once
-    and ``keep_going()`` is false. Returns (prompt index, outcome) per request."""
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=concurrency * 2)
-    results: list[tuple[int, Outcome]] = []
-    counter = iter(range(10**9))
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(hang_s, connect=10), limits=limits) as client:
-        async def client_loop():
-            while True:
-                i = next(counter)
-                if i >= len(prompts) and not keep_going():
-                    return
-                leave = rng.randrange(1, max_tokens) if rng.random() < leave_rate else None
-                k = i % len(prompts)
-                results.append((k, await one_request(client, model, prompts[k], max_tokens, leave, hang_s)))
-
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return results
 
 
 class Faults(threading.Thread):
@@ -197,7 +129,9 @@ class Row:
     wrong_examples: list = field(default_factory=list)
     staged_bytes: int = 0
     blocks_held: int = 0
+    ledger_entries: int = 0
     seconds: float = 0.0
+    overload: dict | None = None  # the overload scenario's figures (loadtest/chaos_overload.py)
 
     def count(self, status: str) -> int:
         return sum(o.status == status for o in self.outcomes)
@@ -219,11 +153,13 @@ def references(url: str, model: str, prompts: list[str], max_tokens: int, hang_s
     return [o.text for _, o in results]
 
 
-def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]:
-    """(staged KV bytes, KV blocks held by prefill and decode workers) once the run has settled:
-    polled each second until both read zero twice in a row, at most ``wait_s`` + 15 s (the store
-    reaps blocks whose TTL ran out); the last reading otherwise."""
+def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int, int]:
+    """(staged KV bytes, KV blocks held by prefill and decode workers, records in the KV
+    ledger) once the run has settled: polled each second until all read zero twice in a row, at
+    most ``wait_s`` + 15 s (the store reaps blocks whose TTL ran out; the prefill workers'
+    reapers reconcile the ledger); the last reading otherwise."""
     from shared.kv import open_store
+    from shared.kv.ledger import ledger_for
     from shared.observe import collect_heartbeats, scrape_metric
 
     def held_blocks() -> int:
@@ -234,14 +170,15 @@ def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]
         return held
 
     store = open_store(settings)
+    ledger = ledger_for(store)
     end, zeros = time.monotonic() + wait_s + 15, 0
     try:
         while True:
             store.reap()
-            staged, held = store.staged_bytes(), held_blocks()
-            zeros = zeros + 1 if staged == 0 and held == 0 else 0
+            staged, held, records = store.staged_bytes(), held_blocks(), len(ledger.entries())
+            zeros = zeros + 1 if staged == 0 and held == 0 and records == 0 else 0
             if zeros >= 2 or time.monotonic() >= end:
-                return staged, held
+                return staged, held, records
             time.sleep(1.0)
     finally:
         store.close()
@@ -249,11 +186,14 @@ def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
               interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None,
-              nats_nodes: int = 1, time_scale: float = 1.0) -> list[Row]:
+              nats_nodes: int = 1, time_scale: float = 1.0, overload=None) -> list[Row]:
     """Run the scenarios; returns one row each (also used by the CI test). ``nats_nodes`` > 1:
     on a local NATS cluster of that many nodes, with stream replicas min(3, nodes).
     ``time_scale`` multiplies the requests' time limits (request, first-token and stall
-    timeouts, and so the hang margin) on a machine slower or busier than a developer's."""
+    timeouts, and so the hang margin) on a machine slower or busier than a developer's.
+    ``overload``: the overload scenario's :class:`~loadtest.chaos_overload.OverloadPlan`
+    (default: its defaults)."""
+    from loadtest.chaos_overload import OverloadPlan, run_overload
     from services import launcher
     from shared.model_files import served_model_name
 
@@ -269,6 +209,7 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
         request_timeout_s=120.0 * time_scale, stall_timeout_s=20.0 * time_scale,
         first_token_timeout_s=60.0 * time_scale, stage_down_grace_s=30.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
         ack_wait_s=3.0, gateway_port=free_port(), kv_cache_memory_bytes=256 << 20,
+        max_queue_time_s=(overload or OverloadPlan()).max_queue_time_s * time_scale,
     )
     name = served_model_name(settings)
     prompts = make_prompts(requests)
@@ -286,6 +227,16 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
         expected = references(dep.url, name, prompts, max_tokens, hang_s)
         for k, scenario in enumerate(scenarios):
             say(f"chaos: scenario {scenario} ...")
+            if scenario == "overload":
+                outcomes, figures, seconds = run_overload(dep.url, name, settings, overload or OverloadPlan(), seed=k,
+                                                          say=say)
+                row = Row("overload", 0, outcomes, seconds=seconds, overload=figures)
+                wait_ready(dep.url, 120)
+                row.staged_bytes, row.blocks_held, row.ledger_entries = measure_leftovers(
+                    dep, settings, settings.kv_block_ttl_s + 3)
+                rows.append(row)
+                say(format_rows([row], header=False))
+                continue
             faults = Faults(scenario, dep, nats, redis, interval_s, seed=k)
             started = time.monotonic()
             if scenario != "disconnect":
@@ -301,7 +252,8 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
             row.wrong_examples = [(i, o) for i, o in results if o.status == "completed" and o.text != expected[i]]
             row.wrong = len(row.wrong_examples)
             wait_ready(dep.url, 120)
-            row.staged_bytes, row.blocks_held = measure_leftovers(dep, settings, settings.kv_block_ttl_s + 3)
+            row.staged_bytes, row.blocks_held, row.ledger_entries = measure_leftovers(
+                dep, settings, settings.kv_block_ttl_s + 3)
             rows.append(row)
             say(format_rows([row], header=False))
     finally:
@@ -329,11 +281,13 @@ def format_rows(rows: list[Row], header: bool = True) -> str:
     lines = []
     if header:
         lines.append(f"{'scenario':<11} {'faults':>6} {'sent':>5} {'completed':>9} {'failed clean':>12} "
-                     f"{'left':>5} {'HUNG':>5} {'WRONG':>6} {'broken':>6} {'staged KV B':>11} {'blocks held':>11} {'s':>6}")
+                     f"{'left':>5} {'HUNG':>5} {'WRONG':>6} {'broken':>6} {'staged KV B':>11} {'blocks held':>11} "
+                     f"{'ledger':>6} {'s':>6}")
     for r in rows:
         lines.append(f"{r.scenario:<11} {r.faults:>6} {len(r.outcomes):>5} {r.count('completed'):>9} "
                      f"{r.count('failed'):>12} {r.count('disconnected'):>5} {r.count('hung'):>5} {r.wrong:>6} "
-                     f"{r.count('broken'):>6} {r.staged_bytes:>11} {r.blocks_held:>11} {r.seconds:>6.0f}")
+                     f"{r.count('broken'):>6} {r.staged_bytes:>11} {r.blocks_held:>11} {r.ledger_entries:>6} "
+                     f"{r.seconds:>6.0f}")
     return "\n".join(lines)
 
 
@@ -346,23 +300,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=4.0, help="seconds between faults")
     p.add_argument("--min-faults", type=int, default=3, help="keep sending requests until this many faults")
     p.add_argument("--scenarios", default="",
-                   help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}")
+                   help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}; "
+                        f"also: {','.join(EXTRA_SCENARIOS)}")
+    p.add_argument("--overload-duration", type=float, default=60.0, help="overload: seconds of arrivals")
+    p.add_argument("--overload-factor", type=float, default=4.0, help="overload: times the sustained rate")
+    p.add_argument("--overload-rate", type=float, default=0.0,
+                   help="overload: arrivals per second (default: the factor times the measured sustained rate)")
+    p.add_argument("--overload-prompt-words", type=int, default=1500, help="overload: words per long prompt")
+    p.add_argument("--overload-max-queue-time", type=float, default=20.0,
+                   help="overload: PD_MAX_QUEUE_TIME_S of the deployment (x --time-scale)")
     p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
     p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply the requests' time limits (120 s request, 60 s first token, 20 s stall)")
     args = p.parse_args(argv or [])
     scenarios = args.scenarios or ",".join(CLUSTER_SCENARIOS if args.nats_cluster > 1 else SCENARIOS)
+    from loadtest.chaos_overload import OverloadPlan, format_overload
+
+    plan = OverloadPlan(duration_s=args.overload_duration, factor=args.overload_factor, rate=args.overload_rate,
+                        prompt_words=args.overload_prompt_words, max_queue_time_s=args.overload_max_queue_time)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
                      [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
-                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale)
+                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale, overload=plan)
     print()
     print(format_rows(rows))
     for r in rows:
+        if r.overload is not None:
+            print()
+            print(format_overload(r.overload, (r.staged_bytes, r.blocks_held, r.ledger_entries)))
+    for r in rows:
         for o in r.outcomes:
-            if o.status in ("failed", "broken", "hung"):
+            if o.status in ("failed", "broken", "hung") and o.error_type != "overloaded":
                 print(f"  {r.scenario}: {o.status}: {o.error}")
         for i, o in r.wrong_examples[:3]:
             print(f"  {r.scenario}: wrong text for prompt {i}: {o.text[:120]!r}")
-    bad = sum(r.count("hung") + r.wrong + r.count("broken") + r.staged_bytes + r.blocks_held for r in rows)
+    bad = sum(r.count("hung") + r.wrong + r.count("broken") + r.staged_bytes + r.blocks_held + r.ledger_entries
+              + (r.overload or {}).get("late", 0) for r in rows)
     return 1 if bad else 0

@@ -3,6 +3,7 @@
     pdserve up [--detach] [--prefill N --decode N --tokenizer N --postfilter N]
     pdserve down
     pdserve status
+    pdserve kv ledger
     pdserve convert
     pdserve settings
     pdserve bench {pipeline,bus,engine,modes,load,gpu} (from loadtest/, see COMMANDS_GROUP)
@@ -124,6 +125,34 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_kv(args) -> int:
+    """``pdserve kv ledger``: the staged KV handles recorded in the store's ledger."""
+    from shared.errors import KVTransferError
+    from shared.kv import open_store
+    from shared.kv.ledger import ledger_for
+
+    settings = _settings(args)
+    try:
+        store = open_store(settings)
+        entries = ledger_for(store).entries()
+    except (KVTransferError, OSError) as exc:
+        print(f"pdserve: cannot read the KV ledger ({settings.kv_store}): {exc}", file=sys.stderr)
+        return 1
+    now = time.time()
+    print(f"{len(entries)} staged KV handle(s) in the {settings.kv_store} ledger of namespace {settings.namespace!r}, "
+          f"{sum(e.bytes for e in entries)} request-scoped bytes")
+    if entries:
+        w = max(10, *(len(e.request_id) for e in entries)) + 1
+        o = max(5, *(len(e.owner) for e in entries)) + 1
+        print(f"{'request':<{w}} {'owner':<{o}} {'state':<9} {'handed off':<10} {'bytes':>9} {'block bytes':>11} "
+              f"{'lease left s':>12} {'deadline in s':>13}")
+        for e in entries:
+            print(f"{e.request_id:<{w}} {e.owner:<{o}} {e.state:<9} {str(e.handed_off):<10} {e.bytes:>9} "
+                  f"{e.block_bytes:>11} {e.lease_until - now:>12.1f} {e.deadline_at - now:>13.1f}")
+    store.close()
+    return 0
+
+
 def cmd_convert(args) -> int:
     from engine.model.loader import ensure_model
 
@@ -185,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="list live workers from their heartbeats")
     st.set_defaults(fn=cmd_status)
+
+    kv = sub.add_parser("kv", help="the KV store's ledger of staged handles: pdserve kv ledger")
+    kv.add_argument("what", choices=("ledger",), help="ledger: every staged handle, its owner, state and lease")
+    kv.add_argument("--kv-store", choices=("shm", "redis"), help="KV store (default PD_KV_STORE or shm)")
+    kv.set_defaults(fn=cmd_kv)
 
     conv = sub.add_parser("convert", help="convert the default model once (up does this too)")
     conv.set_defaults(fn=cmd_convert)

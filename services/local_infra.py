@@ -141,6 +141,7 @@ def drop_namespace(settings: Settings) -> None:
     outlive it (``pdserve up`` keeps its shared-memory folder on purpose)."""
     from shared import nats_bus as bus
     from shared.kv import open_store
+    from shared.kv.ledger import ledger_for
 
     async def drop() -> None:
         nc = await bus.connect(settings, "pdserve-cleanup", max_reconnect_attempts=0)
@@ -156,6 +157,7 @@ def drop_namespace(settings: Settings) -> None:
     try:
         store = open_store(settings)
         store.clear()
+        ledger_for(store).clear()
         store.close()
     except Exception:
         pass

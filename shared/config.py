@@ -228,6 +228,19 @@ class Settings:
         "0 = no limit.",
         default=512,
     )
+    max_queue_time_s: float = _doc(
+        "Longest predicted queue time (s) of a new request (the prompt tokens admitted ahead of it at the "
+        "prefill workers' measured rate, plus a wait for a decode slot) before it gets 503 with Retry-After "
+        "(type overloaded, code queue_time_exceeded). A request that would pass its deadline "
+        "(PD_REQUEST_TIMEOUT_S) is refused the same way (deadline_unreachable). 0 = only the deadline.",
+        default=60.0,
+    )
+    admission_fair_share: bool = _doc(
+        "Once the predicted backlog passes half of PD_MAX_QUEUE_TIME_S, an API key that already has prompts "
+        "queued may hold at most an equal share of it among the keys waiting; more gets 503 "
+        "(fair_share_exceeded).",
+        default=True,
+    )
     stage_down_grace_s: float = _doc(
         "How long a stage may have no live worker before the requests waiting on it fail (503).",
         default=10.0,

@@ -95,5 +95,7 @@ def validate_settings(settings: typing.Any) -> None:
     for name in ("rate_limit_window_s", "rate_limit_lease_s", "keys_reload_interval_s"):
         if getattr(settings, name) <= 0:
             raise SettingsError(f"PD_{name.upper()} must be positive")
+    if settings.max_queue_time_s < 0:
+        raise SettingsError(f"PD_MAX_QUEUE_TIME_S must be >= 0 (0 = only the deadline), not {settings.max_queue_time_s}")
     if not settings.namespace.replace("_", "").replace("-", "").isalnum():
         raise SettingsError("PD_NAMESPACE may hold letters, digits, '-' and '_' only")

@@ -87,6 +87,22 @@ def kv_metrics() -> dict:
 
 
 @functools.cache
+def kv_ledger_metrics() -> dict:
+    """The ledger of staged KV (``shared/kv/ledger.py``), as its reaper sees it."""
+    return {
+        "outstanding": Gauge("pd_kv_handles_outstanding", "staged KV handles recorded in the ledger now"),
+        "outstanding_bytes": Gauge("pd_kv_handles_outstanding_bytes",
+                                   "request-scoped bytes of the handles in the ledger now"),
+        "orphaned": Counter("pd_kv_handles_orphaned_total", "ledger records the reaper found orphaned", ["reason"]),
+        "orphaned_bytes": Counter("pd_kv_orphaned_bytes_total",
+                                  "request-scoped bytes of handles found orphaned", ["reason"]),
+        "reclaimed_bytes": Counter("pd_kv_reclaimed_bytes_total",
+                                   "bytes the reaper deleted from the store for orphaned handles"),
+        "transitions": Counter("pd_kv_handle_transitions_total", "ledger records entering a state", ["state"]),
+    }
+
+
+@functools.cache
 def router_metrics() -> Counter:
     """Conditional disaggregation: where prompts were prefilled, and on what basis."""
     return Counter("pd_router_decisions_total", "prefill placement decisions", ["target", "basis"])
@@ -108,6 +124,19 @@ def gateway_metrics() -> dict:
         "e2e": Histogram("pd_gateway_e2e_seconds", "request end-to-end latency", buckets=LATENCY_BUCKETS),
         "rejected": Counter("pd_gateway_rejected_total", "requests refused before queueing", ["reason"]),
         "output_tokens": Counter("pd_gateway_output_tokens_total", "output tokens delivered to clients"),
+    }
+
+
+@functools.cache
+def admission_metrics() -> dict:
+    """Admission by predicted wait (``services/gateway/tenancy/waits.py``)."""
+    return {
+        "decisions": Counter("pd_gateway_admission_total", "admission decisions by predicted wait",
+                             ["decision", "reason"]),
+        "predicted_wait": Histogram("pd_gateway_predicted_wait_seconds",
+                                    "predicted queue time of each new request", buckets=LATENCY_BUCKETS),
+        "backlog_tokens": Gauge("pd_gateway_admitted_backlog_tokens",
+                                "prompt tokens this gateway admitted that have no first token yet"),
     }
 
 

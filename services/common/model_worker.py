@@ -16,6 +16,7 @@ from shared.bus import Bus
 from shared.config import Settings, parse_cpus
 from shared.hashing import num_reusable_blocks
 from shared.kv import block_key, open_store
+from shared.kv.ledger import ledger_for
 from shared.messages import Heartbeat, Progress, RequestMeta
 from shared.metrics import kv_metrics, stage_metrics
 from shared.registry import WorkerRegistry
@@ -50,6 +51,7 @@ class ModelWorker(Worker):
             os.sched_setaffinity(0, parse_cpus(self.settings.cpu_affinity))
         self.engine = await asyncio.to_thread(build_engine, self.settings)
         self.store = open_store(self.settings)
+        self.ledger = ledger_for(self.store)  # the record of staged KV handles
         self.registry = WorkerRegistry(self.settings.heartbeat_timeout_s)
         self.gateways_seen: set[str] = set()
         self.metrics = stage_metrics(self.stage)

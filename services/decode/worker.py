@@ -13,7 +13,8 @@ Life cycle of a request here:
    read; a layout mismatch, a missing block or an unreachable store means recompute from
    there (``PD_KV_FAILURE_POLICY=recompute``) or a clean error (``fail``);
 4. admit it into the continuous batch; delete the tail from the store (nothing
-   request-scoped stays staged once decode holds the KV);
+   request-scoped stays staged once decode holds the KV); the KV ledger's record of the
+   handle goes ``imported`` (owned by this worker) when read, and is released with the tail;
 5. every step, send the new token to the request's postfilter instance (core NATS) through
    the request's :class:`shared.streams.StreamSender`, which keeps what was sent to answer
    the postfilter's resend requests; if that instance dies, replay the whole output so far to
@@ -51,6 +52,7 @@ from shared.messages import (
     TokenResend,
     decode_as,
 )
+from shared.metrics import kv_ledger_metrics
 from shared.streams import Piece, SentStreams, StreamSender
 from shared.timeline import now_mark
 from shared.tracing import span, start_span
@@ -284,6 +286,11 @@ class DecodeWorker(ModelWorker):
             keys.append(handle.tail_key)
         values = self.store.get(keys) if keys else []
         tail = values.pop() if handle.tail_key else None
+        try:
+            if self.ledger.imported(task.meta.request_id, self.instance_id):
+                kv_ledger_metrics()["transitions"].labels("imported").inc()
+        except KVTransferError as exc:  # bookkeeping only: the request goes on
+            self.log.warning("kv_ledger_update_failed", request_id=task.meta.request_id, error=exc.message)
         return [None] * num_local + values, tail
 
     async def _fetch_kv(self, task: DecodeTask) -> tuple[list, bytes | None]:
@@ -367,11 +374,18 @@ class DecodeWorker(ModelWorker):
             self.consumer.notify_room()
 
     async def _drop_tail(self, task: DecodeTask) -> None:
-        if task.kv is not None and task.kv.tail_key:
+        if task.kv is not None:
             try:
-                await asyncio.to_thread(self.store.delete, [task.kv.tail_key])
+                await asyncio.to_thread(self._release_kv, task)
             except KVTransferError as exc:
                 self.log.warning("kv_tail_delete_failed", request_id=task.meta.request_id, error=exc.message)
+
+    def _release_kv(self, task: DecodeTask) -> None:
+        """Delete the request-scoped tail and release the handle's ledger record (in a thread)."""
+        if task.kv.tail_key:
+            self.store.delete([task.kv.tail_key])
+        if self.ledger.released(task.meta.request_id) is not None:
+            kv_ledger_metrics()["transitions"].labels("released").inc()
 
 
 def main_entry() -> None:

@@ -49,6 +49,9 @@ class PipelineClient:
         self.backlog: dict[str, int] = {}
         self.missing_since: dict[str, float] = {}
         self.resubmitter = Resubmitter(self)
+        #: Prompt tokens this gateway admitted that have no first token yet, announced in its
+        #: heartbeats (``queued_prefill_tokens``) for the other gateways' admission; set by the Gateway.
+        self.admitted_prompt_tokens = lambda: 0
         self._heartbeat_task: asyncio.Task | None = None  # both started by start()
         self._watch_task: asyncio.Task | None = None
 
@@ -103,7 +106,8 @@ class PipelineClient:
             if self.is_connected:
                 hb = Heartbeat(stage="gateway", instance_id=self.instance_id, model=served_model_name(self.settings),
                                sent_at=time.time(), inbox=self.inbox, num_running=len(self._routes),
-                               metrics_port=self.settings.gateway_port)
+                               metrics_port=self.settings.gateway_port,
+                               queued_prefill_tokens=self.admitted_prompt_tokens())
                 try:
                     await self.bus.publish(subject, hb)
                 except Exception:

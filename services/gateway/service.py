@@ -61,6 +61,7 @@ class Gateway:
         self.prompts: PromptProcessor | None = None
         self.choices: ChoiceBuilder | None = None
         self.admission = Admission(settings)
+        client.admitted_prompt_tokens = lambda: self.admission.waits.backlog.prompt_tokens  # in its heartbeats
         self.shutting_down_at: float | None = None
         self.timelines: OrderedDict[str, Timeline] = OrderedDict()
         self.metrics = gateway_metrics()
@@ -84,7 +85,7 @@ class Gateway:
 
         Raises:
             ServiceUnavailable: shutting down, or a stage has no live worker (503).
-            Overloaded: admission refused it (429).
+            Overloaded: admission refused it (429; 503 when the predicted wait is too long).
             PdError: whatever the pipeline reports before the first byte of a stream.
         """
         if self.shutting_down_at is not None:
@@ -112,10 +113,16 @@ class Gateway:
         """Admission, with the per-key limits' reservation (prompt + max_tokens), settled when
         the run closes (:meth:`_opened`)."""
         try:
-            return await self.admission.admit(tenant, self.client.queued, choices, self.prompts)
+            return await self.admission.admit(tenant, self.client.queued, choices, self.prompts,
+                                              self._heartbeats(), self.client.instance_id)
         except Overloaded as exc:
             self.metrics["rejected"].labels(exc.code or "overloaded").inc()
             raise
+
+    def _heartbeats(self) -> dict:
+        """The live heartbeats admission predicts waits from, by stage."""
+        live = self.client.registry.live
+        return {stage: live(stage) for stage in ("prefill", "decode", "gateway")}
 
     def _new_run(self, request: Request, endpoint: str, choices: list[Choice], request_id: str, ticket: Ticket,
                  received_at: float) -> RequestRun:
@@ -279,6 +286,7 @@ class Gateway:
         now = time.monotonic()
         if run.last_token_at is None:
             self.metrics["ttft"].observe(now - run.started_at)
+            self.admission.first_token(run.ticket, run.choices)
         else:
             self.metrics["itl"].observe(now - run.last_token_at)
         run.last_token_at = now

@@ -12,8 +12,10 @@ Life cycle of a request here:
 4. the prompt's KV is copied out of the pool and staged: full blocks under their
    content-addressed keys (skipped when the store already has them, leases renewed), the
    partial tail under a request-scoped key;
-5. the DecodeTask with its KVHandle is published (Nats-Msg-Id ``decode:<request_id>``), and
-   only once JetStream has stored it is the PrefillTask acked. A redelivered PrefillTask
+   Every staged handle is recorded in the KV ledger (``shared/kv/ledger.py``: owner, lease,
+   bytes, state ``staged``), which this worker's reaper reconciles with the other workers';
+5. the DecodeTask with its KVHandle is published (Nats-Msg-Id ``decode:<request_id>``), the
+   ledger record marked handed off, and only once JetStream has stored it is the PrefillTask acked. A redelivered PrefillTask
    redoes the same work and publishes a DecodeTask that JetStream de-duplicates.
 
 An Abort cancels the request in the engine between steps (so between prefill chunks).
@@ -29,6 +31,7 @@ import msgspec
 
 from engine.outputs import StepOutput
 from services.common.consumer import PullConsumer, WorkItem
+from services.common.kv_reaper import KVReaper
 from services.common.model_worker import ModelWorker
 from services.common.runtime import main
 from shared.bus import Bus
@@ -36,6 +39,7 @@ from shared.config import Settings
 from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import BLOCK, TAIL, block_key, tail_key
 from shared.kv.layout import KVHandle
+from shared.kv.ledger import KVLedger, ShmKVLedger
 from shared.messages import (
     Abort,
     DecodeTask,
@@ -44,6 +48,7 @@ from shared.messages import (
     StreamSpec,
     TokenChunk,
 )
+from shared.metrics import kv_ledger_metrics
 from shared.recovery import work_id
 from shared.timeline import with_mark
 from shared.tracing import span
@@ -54,7 +59,8 @@ REAP_INTERVAL_S = 2.0
 
 @dataclass(slots=True)
 class KVStager:
-    """Puts a prompt's exported KV into the store (runs in a thread).
+    """Puts a prompt's exported KV into the store (runs in a thread) and records the handle in
+    the ledger (owned by ``owner``, leased for the tail's TTL).
 
     Full blocks the store already holds are not written again, only their leases renewed.
     Returns the handle decode needs, and the bytes written.
@@ -63,20 +69,29 @@ class KVStager:
     store: object
     block_ttl_s: float
     tail_ttl_s: float
+    ledger: KVLedger | None = None
+    owner: str = ""
 
-    def stage(self, request_id: str, prompt_kv, layout) -> tuple[KVHandle, int]:
+    def stage(self, request_id: str, prompt_kv, layout, deadline_at: float = float("inf")) -> tuple[KVHandle, int]:
         keys = [block_key(h, layout.dtype) for h in prompt_kv.block_hashes]
         present = self.store.exists(keys) if keys else []
         missing = {k: buf for k, buf, p in zip(keys, prompt_kv.blocks, present) if not p}
         have = [k for k, p in zip(keys, present) if p]
+        tkey = tail_key(request_id) if prompt_kv.tail is not None else None
+        if self.ledger is not None:
+            # recorded before the tail is written: a reaper that judged an older record of this
+            # request (its owner died, this is the redelivery) then finds it changed and keeps
+            # both the record and the tail
+            tail_bytes = memoryview(prompt_kv.tail).nbytes if tkey else 0
+            self.ledger.staged(request_id, self.owner, "prefill", self.tail_ttl_s, deadline_at, tail_bytes,
+                               sum(memoryview(b).nbytes for b in missing.values()), tkey)
+            kv_ledger_metrics()["transitions"].labels("staged").inc()
         written = 0
         if missing:
             written += self.store.put(missing, self.block_ttl_s)
         if have:
             self.store.touch(have, self.block_ttl_s)
-        tkey = None
-        if prompt_kv.tail is not None:
-            tkey = tail_key(request_id)
+        if tkey:
             written += self.store.put({tkey: prompt_kv.tail}, self.tail_ttl_s)
         handle = KVHandle(store=self.store.name, layout=layout, block_hashes=list(prompt_kv.block_hashes),
                           num_tokens=prompt_kv.num_tokens, tail_key=tkey)
@@ -92,7 +107,9 @@ class PrefillWorker(ModelWorker):
 
     async def setup(self) -> None:
         await super().setup()
-        self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s)
+        self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s,
+                               self.ledger, self.instance_id)
+        self.reaper = KVReaper(self, self.ledger, self.store)
 
     async def serve(self) -> None:
         await super().serve()
@@ -109,11 +126,15 @@ class PrefillWorker(ModelWorker):
         return len(self.pending)
 
     async def _reap_loop(self) -> None:
-        """Free expired (abandoned) staged KV, and report what is staged."""
+        """Free expired (abandoned) staged KV, reclaim orphaned handles of the ledger, and
+        report what is staged."""
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
             try:
+                await self.reaper.sweep()
                 await asyncio.to_thread(self.store.reap)
+                if isinstance(self.ledger, ShmKVLedger):
+                    await asyncio.to_thread(self.ledger.sweep_temporaries)
                 for kind in (BLOCK, TAIL):
                     staged = await asyncio.to_thread(self.store.staged_bytes, kind)
                     self.kv_metrics["staged_bytes"].labels(kind).set(staged)
@@ -202,7 +223,7 @@ class PrefillWorker(ModelWorker):
         with span("prefill.kv_put", tokens=seq.num_prompt_tokens):
             try:
                 handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv,
-                                                          self.engine.layout)
+                                                          self.engine.layout, meta.deadline_at)
             except KVTransferError as exc:
                 if self.settings.kv_failure_policy == "fail":
                     raise
@@ -221,6 +242,11 @@ class PrefillWorker(ModelWorker):
             num_cached_tokens=seq.num_cached_tokens,
         )
         await self.bus.publish_work(self.protocol.decode, decode, work_id(meta))
+        if handle is not None:
+            try:
+                await asyncio.to_thread(self.ledger.handed_off, meta.request_id)
+            except KVTransferError as exc:  # the lease still bounds the record
+                self.log.warning("kv_ledger_update_failed", request_id=meta.request_id, error=exc.message)
         await item.ack()
 
 

@@ -44,6 +44,11 @@ class RedisKVStore(KVStore):
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30
         )
 
+    @property
+    def client(self):
+        """The Redis connection (the KV ledger keeps its hash beside the values)."""
+        return self._client
+
     def _k(self, key: str) -> str:
         return redis_key(self.namespace, key)
 

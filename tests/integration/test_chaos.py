@@ -1,6 +1,6 @@
 """The CI version of ``pdserve chaos``: every fault scenario on the tiny model, and a NATS
 cluster node killed every few seconds. No request hangs, none completes with wrong text, no
-stream breaks, and nothing is left staged or held."""
+stream breaks, and nothing is left staged, held or recorded in the KV ledger."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def test_fault_scenarios_keep_the_must_be_zero_columns_at_zero(tiny_model_dir, t
         assert r.count("broken") == 0, (report, [o.error for o in r.outcomes if o.status == "broken"])
         assert r.staged_bytes == 0, report
         assert r.blocks_held == 0, report
+        assert r.ledger_entries == 0, report  # every staged handle released or reclaimed
         assert r.count("completed") > 0, report
     for name in ("decode", "prefill", "nats", "redis", "postfilter"):
         assert by_name[name].faults >= 2, report
@@ -51,4 +52,24 @@ def test_a_cluster_node_killed_every_few_seconds_loses_no_request(tiny_model_dir
     print(report)
     assert row.faults >= 2, report
     assert row.count("completed") == len(row.outcomes) > 0, (report, [o.error for o in row.outcomes])
-    assert row.wrong == 0 and row.staged_bytes == 0 and row.blocks_held == 0, report
+    assert row.wrong == 0 and row.staged_bytes == 0 and row.blocks_held == 0 and row.ledger_entries == 0, report
+
+
+def test_overload_ends_every_request_in_time_and_refuses_the_excess(tiny_model_dir, tmp_path):
+    """Long prompts at four times the sustained rate, with a short queue limit: every request
+    completes or gets a typed error within its deadline, the excess is refused with 503
+    ``overloaded`` (Retry-After is checked in tests/unit/test_admission_waits.py), and nothing
+    leaks."""
+    from loadtest.chaos_overload import OverloadPlan, format_overload
+
+    plan = OverloadPlan(duration_s=12.0, factor=4.0, prompt_words=120, max_tokens=8, max_queue_time_s=0.5)
+    (row,) = run_chaos(str(tiny_model_dir), requests=2, concurrency=1, max_tokens=8, scenarios=["overload"],
+                       interval_s=2.0, quiet=True, workdir=tmp_path, overload=plan)
+    o = row.overload
+    report = format_overload(o, (row.staged_bytes, row.blocks_held, row.ledger_entries))
+    print(report)
+    assert o["hung"] == 0 and o["late"] == 0 and o["broken"] == 0, report
+    assert row.staged_bytes == 0 and row.blocks_held == 0 and row.ledger_entries == 0, report
+    assert o["completed"] > 0 and o["refused_503"] > 0, report
+    assert o["completed"] + o["refused_503"] + o["typed_errors"] == o["sent"], report
+    assert o["ttft_max_s"] < o["deadline_s"], report

@@ -1,7 +1,9 @@
 """Who may send a request now, and what it cost: API keys (``keys``), the in-flight limit,
-the JetStream backlog, the per-key limits shared by all gateways (``limits``) and the usage
-meter (``usage``). Every refusal is a clean 401, 403, 429 (with ``Retry-After``) or 503
-before any work is queued, instead of a queue that grows without end.
+the JetStream backlog, the predicted wait against the deadline and the longest queue time,
+with per-key shares under saturation (``waits``), the per-key limits shared by all gateways
+(``limits``) and the usage meter (``usage``). Every refusal is a clean 401, 403, 429 (with
+``Retry-After``) or 503 (with ``Retry-After`` when overloaded) before any work is queued,
+instead of a queue that grows without end.
 
 The app calls this façade only: :meth:`Admission.authenticate` → :meth:`~Admission.admit`
 (reserve) → :meth:`~Admission.settle` (refund the unused part, meter the usage).
@@ -19,6 +21,7 @@ from services.gateway.tenancy.keys import KeyRing, Tenant
 from services.gateway.tenancy.limits import Limits
 from services.gateway.tenancy.quota import Quota
 from services.gateway.tenancy.usage import UsageMeter
+from services.gateway.tenancy.waits import WaitAdmission
 from shared.config import Settings
 from shared.errors import AuthenticationError, Overloaded, PdError
 from shared.logging import get_logger
@@ -46,6 +49,7 @@ class Ticket:
     request_id: str
     reserved: int = 0
     store: str = ""
+    prompt_tokens: int = 0  # estimated, counted in the admitted backlog until the first token
 
 
 class RedisOnLoop:
@@ -93,6 +97,7 @@ class Admission:
         self.max_inflight = settings.max_inflight_requests
         self.max_queued = settings.max_queued_tasks
         self.inflight = 0
+        self.waits = WaitAdmission(settings)
         self._tasks: set[asyncio.Task] = set()
 
     # --- who -------------------------------------------------------------------------------
@@ -121,8 +126,13 @@ class Admission:
                      self.settings.rate_limit_window_s)
 
     # --- admit and settle ------------------------------------------------------------------
-    async def admit(self, tenant: Tenant, backlog: int, choices: list, prompts=None) -> Ticket:
+    async def admit(self, tenant: Tenant, backlog: int, choices: list, prompts=None,
+                    heartbeats: dict | None = None, instance_id: str = "") -> Ticket:
         """Admit a request (its ``choices``, each with a TokenizeTask), or refuse it.
+
+        With ``heartbeats`` (the live workers' and gateways' by stage) its wait is predicted
+        (:class:`~services.gateway.tenancy.waits.WaitAdmission`) and it is refused when the
+        queue would be too long, its deadline out of reach, or its key over its share.
 
         With a token limit the request reserves its prompt tokens (counted with ``prompts``,
         the gateway's PromptProcessor, off the event loop) plus its ``max_tokens`` for every
@@ -131,6 +141,7 @@ class Admission:
 
         Raises:
             Overloaded: the gateway, the queues or the key's limits are full (429).
+            QueueFull: the predicted wait is too long (503, an Overloaded).
             ServiceUnavailable: the limits' Redis is unreachable under the closed policy (503).
             InvalidRequest: a prompt the tokenizer rejects (counting it for the reservation).
         """
@@ -138,8 +149,17 @@ class Admission:
         if self.max_queued and backlog >= self.max_queued:
             raise Overloaded(f"{backlog} requests are queued for prefill; retry shortly", retry_after_s=2.0)
         ticket = Ticket(tenant, choices[0].task.meta.request_id)
+        output_tokens = reservation(choices)
+        if heartbeats is not None:
+            try:
+                ticket.prompt_tokens, _ = self.waits.check(tenant.name, [c.task for c in choices], output_tokens,
+                                                           heartbeats, instance_id)
+            except Overloaded as exc:
+                self.record_refusal(tenant, exc.code or exc.type)
+                raise
         quota = self.quota(tenant)
         if not quota.is_limited:
+            self._count_admitted(ticket, output_tokens, heartbeats is not None)
             return ticket
         if quota.tokens:
             ticket.reserved = reservation(choices) + (await asyncio.to_thread(num_prompt_tokens, choices, prompts)
@@ -149,13 +169,24 @@ class Admission:
         except PdError as exc:
             self.record_refusal(tenant, exc.code or exc.type)
             raise
+        self._count_admitted(ticket, output_tokens, heartbeats is not None)
         return ticket
+
+    def _count_admitted(self, ticket: Ticket, output_tokens: int, predicted: bool) -> None:
+        if predicted:
+            self.waits.admitted(ticket.request_id, ticket.tenant.name, ticket.prompt_tokens, output_tokens)
+
+    def first_token(self, ticket: Ticket | None, choices: list) -> None:
+        """The request's first token came: its prompt leaves the admitted backlog."""
+        if ticket is not None:
+            self.waits.first_token(ticket.request_id, choices[0].task, choices[0].num_prompt_tokens)
 
     def settle(self, ticket: Ticket | None, choices: list, outcome: str) -> None:
         """Settle a finished (or failed) request in the background: refund the unused part of
         its reservation, free its concurrent slot and meter its usage under ``outcome``."""
         if ticket is None:
             return
+        self.waits.finished(ticket.request_id)
         used = sum(c.num_prompt_tokens + c.num_tokens for c in choices)
         name, quota = ticket.tenant.name, self.quota(ticket.tenant)
         if ticket.store:
