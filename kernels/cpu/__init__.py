@@ -58,7 +58,7 @@ def load():
 def build_extension(source_name: str, name: str, flags: list[str]):
     """Build (or load the cached build of) the C++ source ``source_name`` beside this file as
     the torch extension ``<name>_<key>``, with ``flags`` (+ ``-march=native`` unless
-    ``PD_KERNEL_MARCH_NATIVE=0``); the key hashes the source, the ``*.h`` headers beside it,
+    ``PD_KERNEL_MARCH_NATIVE=0``); the key hashes the source (its path and text), the ``*.h`` headers beside it,
     flags, interpreter, torch version and CPU flags, so each combination has its own folder. Builders serialise on an ``flock``.
 
     Raises:
@@ -74,8 +74,10 @@ def build_extension(source_name: str, name: str, flags: list[str]):
     source = Path(__file__).with_name(source_name)
     flags = [*flags, "-march=native"] if os.environ.get("PD_KERNEL_MARCH_NATIVE", "1") == "1" else list(flags)
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # included by the sources
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, sys.executable, torch.__version__,
-                                     _cpu_flags()]).encode()).hexdigest()[:12]
+    # the source's path too: torch's ninja file records it, so two checkouts sharing a folder
+    # would rebuild it over each other at every start
+    key = hashlib.sha256("\0".join([str(source.resolve()), source.read_text(), *headers, *flags, sys.executable,
+                                     torch.__version__, _cpu_flags()]).encode()).hexdigest()[:12]
     name = f"{name}_{key}"
     folder = Path(_get_build_directory(name, verbose=False))
     folder.mkdir(parents=True, exist_ok=True)
