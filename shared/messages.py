@@ -42,6 +42,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     log-probability plus the k most likely alternatives. ``prompt_logprobs``: the same for
     every prompt token after the first, computed in prefill (``echo`` with ``logprobs``).
     ``grammar``: llguidance grammar (``shared/structured.py``) the output must follow.
+    ``speculative``: False opts the request out of speculative decoding (``engine/speculative.py``;
+    it never changes tokens, only how many a step produces).
     """
 
     max_tokens: int
@@ -62,6 +64,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:
