@@ -371,6 +371,8 @@ class LLMEngine:
                     break
             if num_drafts:
                 self._verified(item, accepted, len(new_ids))
+            seq.num_output_steps += 1
+            seq.num_step_tokens += len(new_ids)
             ends_here = reason is not None or seq.stop_after_prefill
             out = StepOutput(seq, new_ids, new_logprobs, index=index, finished=ends_here,
                              finish_reason=reason, error=error)

@@ -71,6 +71,9 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: engine steps that gave this sequence output tokens here, and those tokens
+    num_output_steps: int = 0
+    num_step_tokens: int = 0
     #: the acceptance window and pause of engine.speculative.Speculator
     spec_window_drafted: int = 0
     spec_window_accepted: int = 0
