@@ -110,8 +110,9 @@ def random_text_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def chat_prompt(tokenizer, content: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def copy_heavy_prompts(n: int) -> list[str]:
@@ -151,14 +152,14 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: int, speculate: b
             "tokens_per_step": tokens / max(1, engine.stats.num_steps - before[2])}
 
 
-def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 2, 4), context: int = 256) -> None:
+def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int = 128) -> None:
     """Median decode step time at each batch size with ``d`` forced (always rejected) drafts per
     sequence: what a step of ``batch x (1 + d)`` rows costs against ``batch`` rows."""
     from shared.messages import SamplingParams
 
     speculator = engine.speculator
     print("\ncrossover: median step ms by decode batch (rows) and drafts per sequence (forced, rejected)")
-    print(f"  {'batch':>5} " + " ".join(f"{'d=' + str(d):>10}" for d in drafts) + "   ratio d=4/d=0")
+    print(f"  {'batch':>5} " + " ".join(f"{'d=' + str(d):>10}" for d in drafts) + f"   ratio d={drafts[-1]}/d=0")
     for batch in batches:
         row = []
         for d in drafts:
@@ -173,7 +174,7 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 2, 4), context: i
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
                 engine.step()
             times = []
-            for _ in range(12):
+            for _ in range(8):
                 t = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t)
@@ -185,6 +186,14 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 2, 4), context: i
 
     speculator.proposer = NgramProposer(speculator.config.ngram_min, speculator.config.ngram_max)
     engine.speculator = speculator
+
+
+def _merge(results: list[dict]) -> dict:
+    """Results of consecutive :func:`run_requests` calls as one (TPOT: the mean over the calls)."""
+    return {"outputs": [o for r in results for o in r["outputs"]],
+            "tpot_s": sum(r["tpot_s"] for r in results) / len(results),
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results),
+            "tokens_per_step": sum(r["tokens_per_step"] for r in results) / len(results)}
 
 
 def _fields(config) -> dict:
@@ -235,8 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(f"{name}, 1 stream", prompts, False) for name, prompts in workloads.items()]
     rows.append((f"mixed, {args.streams} streams", many, True))
     for label, prompts, concurrent in rows:
-        off = run_requests(engine, prompts, args.tokens, False, speculator, concurrent)
-        on = run_requests(engine, prompts, args.tokens, True, speculator, concurrent)
+        # off and on alternate request by request (batch by batch), so that the machine's load
+        # drifts over both alike
+        parts = [prompts] if concurrent else [[p] for p in prompts]
+        runs = {False: [], True: []}
+        for part in parts:
+            for speculate in (False, True):
+                runs[speculate].append(run_requests(engine, part, args.tokens, speculate, speculator, concurrent))
+        off, on = (_merge(runs[False]), _merge(runs[True]))
         rate = f"{on['accepted'] / on['drafted']:.0%}" if on["drafted"] else "no drafts"
         print(f"{label:<26} {off['tpot_s'] * 1e3:>12.2f} {on['tpot_s'] * 1e3:>11.2f} "
               f"{off['tpot_s'] / on['tpot_s']:>8.2f}x {rate:>9} {on['tokens_per_step']:>15.2f} "
