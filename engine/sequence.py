@@ -79,6 +79,7 @@ class Sequence:
     spec_window_accepted: int = 0
     spec_pause_tokens: int = 0
     spec_paused_until: int = 0
+    spec_draft_length: int = 0  # 0: not verified yet
 
     def __post_init__(self) -> None:
         self.update_block_hashes()

@@ -25,7 +25,8 @@ that copy their input: editing or summarising a given text, code edits, RAG answ
 When not to (:class:`Speculator`; the measurements behind the defaults are in
 docs/decisions.md):
 
-* per sequence: a sequence whose drafts are rarely accepted (below ``min_acceptance`` over its
+* per sequence: the draft length follows the last verification (doubled after a fully accepted
+  draft, else what was accepted plus one), and a sequence whose drafts are rarely accepted (below ``min_acceptance`` over its
   last ``ACCEPTANCE_WINDOW`` draft tokens) stops drafting for a pause of output tokens that
   doubles each time (``PAUSE_TOKENS`` up to ``MAX_PAUSE_TOKENS``), then tries again;
 * per step: when more than ``max_batch`` sequences decode in a step, none drafts: the step is
@@ -64,10 +65,10 @@ class SpeculativeConfig:
     """
 
     method: str = "off"
-    num_tokens: int = 4
+    num_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch: int = 8
+    max_batch: int = 4
     min_acceptance: float = 0.3
 
     def __post_init__(self) -> None:
@@ -150,7 +151,7 @@ class Speculator:
         for seq in decoding:
             if not seq.sampling.speculative or seq.num_output_tokens < seq.spec_paused_until:
                 continue
-            room = min(self.config.num_tokens,
+            room = min(self.draft_length(seq),
                        seq.sampling.max_tokens - seq.num_output_tokens - 1,  # the pick after them
                        self.max_model_len - seq.num_tokens)  # positions of the drafts' KV
             draft = self.proposer.propose(seq.token_ids, room)
@@ -161,8 +162,23 @@ class Speculator:
                 count += 1
         return count
 
+    def draft_length(self, seq: Sequence) -> int:
+        """Drafts to ask for: ``seq.spec_draft_length`` once verified (see :meth:`record`), else
+        half of ``num_tokens`` (at least 1)."""
+        return seq.spec_draft_length or max(1, self.config.num_tokens // 2)
+
     def record(self, seq: Sequence, num_drafted: int, num_accepted_tokens: int) -> None:
-        """Count one verification of ``seq``; pause its drafting when its acceptance is low."""
+        """Count one verification of ``seq``; adapt its draft length; pause its drafting when its
+        acceptance is low.
+
+        Draft length: doubled (up to ``num_tokens``) when every draft was accepted, else the
+        number accepted plus one (at least 1): each verified row costs about a third of a
+        one-row step on these CPUs (docs/decisions.md), so drafts past the likely match are waste.
+        """
+        if num_accepted_tokens == num_drafted:
+            seq.spec_draft_length = min(self.config.num_tokens, 2 * max(num_drafted, self.draft_length(seq)))
+        else:
+            seq.spec_draft_length = max(1, num_accepted_tokens + 1)
         seq.num_draft_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted_tokens
         seq.spec_window_drafted += num_drafted

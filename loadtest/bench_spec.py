@@ -158,6 +158,7 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int 
     from shared.messages import SamplingParams
 
     speculator = engine.speculator
+    config = speculator.config
     print("\ncrossover: median step ms by decode batch (rows) and drafts per sequence (forced, rejected)")
     print(f"  {'batch':>5} " + " ".join(f"{'d=' + str(d):>10}" for d in drafts) + f"   ratio d={drafts[-1]}/d=0")
     for batch in batches:
@@ -166,6 +167,7 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int 
             engine.speculator = speculator if d else None
             if d:
                 speculator.proposer.propose = lambda token_ids, n, d=d: [token_ids[-1] ^ 1] * min(d, n)
+                speculator.draft_length = lambda seq, d=d: d
                 speculator.config = type(speculator.config)(**{**_fields(speculator.config), "max_batch": 0,
                                                                 "min_acceptance": 0.0})
             sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -185,6 +187,8 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int 
     from engine.speculative import NgramProposer
 
     speculator.proposer = NgramProposer(speculator.config.ngram_min, speculator.config.ngram_max)
+    speculator.config = config
+    del speculator.draft_length  # the method again
     engine.speculator = speculator
 
 

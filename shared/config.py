@@ -152,13 +152,15 @@ class Settings:
         "with \"speculative\": false.",
         default="ngram",
     )
-    speculative_num_tokens: int = _doc("Most draft tokens per sequence per decode step.", default=4)
+    speculative_num_tokens: int = _doc(
+        "Most draft tokens per sequence per decode step (a sequence starts at half of it; its draft "
+        "length then follows its acceptance).", default=8)
     speculative_ngram_min: int = _doc("Shortest n-gram looked up for a draft.", default=2)
     speculative_ngram_max: int = _doc("Longest n-gram looked up for a draft (tried first).", default=4)
     speculative_max_batch: int = _doc(
         "No drafts in a step where more sequences than this decode (verification rows then cost about "
         "what they save; docs/decisions.md); 0 = no limit.",
-        default=8,
+        default=4,
     )
     speculative_min_acceptance: float = _doc(
         "A sequence whose drafts are accepted less often than this (over its last 16 draft tokens) "

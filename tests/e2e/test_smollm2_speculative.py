@@ -27,7 +27,7 @@ from services import launcher
 from tests.integration.test_batch_invariance_pipeline import proc, routes, routes_of
 from tests.pipeline_fixture import deployment, heartbeats, metric_value
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 MODEL = "SmolLM2-135M-Instruct"
 EDIT = {"model": MODEL, "temperature": 0, "max_tokens": 120, "logprobs": True, "top_logprobs": 3,
@@ -100,7 +100,7 @@ def test_smollm2_speculation_never_changes_the_answer(tmp_path, nats_url):
     ns = f"e2e{uuid.uuid4().hex[:8]}"
     with deployment(tmp_path, "", ns, replicas={"decode": 2}, dtype="auto", weights="auto",
                     routing="disaggregated", cache_dir=str(folder.parent.parent), kv_cache_memory_bytes=256 << 20,
-                    ack_wait_s=2.0, stall_timeout_s=60.0) as dep:
+                    ack_wait_s=2.0, stall_timeout_s=60.0, ready_timeout_s=900) as dep:
         assert dep.settings.speculative_method == "ngram"
         with httpx.Client(base_url=dep.url, timeout=600) as client:
             same_with_and_without(client, EDIT)

@@ -27,6 +27,7 @@ from shared.messages import SamplingParams
 from shared.structured import schema_grammar
 
 BLOCK_SIZE = 4
+pytestmark = pytest.mark.timeout(1200)  # the first test builds the kernels when the cache has none
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "float"])
@@ -246,3 +247,21 @@ def test_ngram_proposer():
     assert num_accepted([1, 2, 3], [1, 2, 4, 9]) == 2
     assert num_accepted([1, 2, 3], [5, 2, 3, 9]) == 0
     assert num_accepted([1, 2, 3], [1, 2, 3, 9]) == 3
+
+
+def test_the_request_timeline_shows_acceptance_and_tokens_per_step():
+    from types import SimpleNamespace
+
+    from services.gateway.timelines import Timeline
+    from shared.messages import SpecStats, TextChunk, decode_as, encode
+
+    chunk = TextChunk(request_id="r", text="x", text_offset=0, num_tokens=30, finish_reason="stop",
+                      spec_stats=SpecStats(num_draft_tokens=40, num_accepted_tokens=30, num_tokens=30, num_steps=10))
+    stats = decode_as(encode(chunk), TextChunk).spec_stats  # rides the bus
+    tl = Timeline("r", [("gateway.received", 1.0)])
+    tl.end([SimpleNamespace(index=0, request_id="r-0", marks=[], spec_stats=stats),
+            SimpleNamespace(index=1, request_id="r-1", marks=[], spec_stats=None)])
+    got = tl.to_dict()["choices"]
+    assert got[0]["speculation"] == {"draft_tokens": 40, "accepted_tokens": 30, "acceptance_rate": 0.75,
+                                     "tokens_per_step": 3.0}
+    assert got[1]["speculation"] is None
