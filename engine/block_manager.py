@@ -165,6 +165,18 @@ class BlockManager:
             self.release(self.blocks[block_id])
         seq.block_table.clear()
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> int:
+        """Give back ``seq``'s blocks past its first ``num_blocks`` (last first): the rollback of
+        rejected speculative tokens, whose blocks were fresh and never named in the prefix cache.
+        Returns how many were released."""
+        released = 0
+        while len(seq.block_table) > num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.block_hash is None, f"block {block.block_id} of rejected drafts is in the prefix cache"
+            self.release(block)
+            released += 1
+        return released
+
     def release(self, block: KVBlock) -> None:
         """Drop one reference to ``block``."""
         assert block.ref_cnt > 0, f"block {block.block_id} freed twice"

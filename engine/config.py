@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -28,3 +30,4 @@ class EngineConfig:
     kv_pinned_buffer_bytes: int = 256 << 20
     batch_invariant: bool = True  # PD_BATCH_INVARIANT: engine.model.batch_invariant
     block_dot: str = "float32"  # PD_BLOCK_DOT: engine.model.quant.resolve_block_dot (auto, float32, int8, bf16)
+    speculative: SpeculativeConfig = SpeculativeConfig()  # PD_SPECULATIVE_*: engine.speculative

@@ -26,6 +26,7 @@ from engine.model_runner import ATTN_IMPLEMENTATION, ModelRunner, register_atten
 from engine.outputs import EngineStats, PromptKV, StepOutput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import Speculator, num_accepted
 from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.hashing import hash_extra
 from shared.kv.layout import KVLayout
@@ -70,6 +71,16 @@ class LLMEngine:
         #: when a list, :meth:`step` appends one :func:`step_record` per step (the step log)
         self.step_log: list | None = None
         self.grammar = LazyGrammar(self.runner, mc.vocab_size, self.eos_token_ids)  # constrained decoding
+        #: drafts and verifies tokens (engine/speculative.py); None when off. Exactness needs the
+        #: batch-invariant per-row path, so without it speculation stays off
+        self.speculator = None
+        if config.speculative.enabled:
+            if self.runner.is_batch_invariant:
+                self.speculator = Speculator(config.speculative, self.max_model_len)
+            else:
+                from shared.logging import get_logger
+
+                get_logger(__name__).warning("speculative_off", reason="needs PD_BATCH_INVARIANT on a CPU")
 
     def _enable_cuda_graphs(self) -> None:
         """Capture decode graphs for the configured batch sizes; a capture that fails (an
@@ -306,6 +317,8 @@ class LLMEngine:
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule → execute → update. Returns outputs of sequences that sampled a token."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -325,6 +338,8 @@ class LLMEngine:
     def _update(self, scheduled, result) -> list[StepOutput]:
         for item in scheduled:
             seq = item.seq
+            if item.draft_token_ids:
+                continue  # counted once its drafts are verified, below
             if is_decode(item):
                 self.stats.num_decode_tokens += 1
             else:
@@ -332,21 +347,34 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
         outputs = []
-        for item, token_id, logprob in zip(result.sampled, result.token_ids, result.logprobs):
+        for item, picked, logprobs in zip(result.sampled, result.token_ids, result.logprobs):
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.append_token(token_id)
-            if logprob is not None:
-                seq.output_logprobs.append(logprob)
-            reason = seq.check_finished()
-            error = None
-            if seq.matcher is not None and reason is None:
-                done, error = advance(seq.matcher, token_id)
-                if done:  # the grammar is complete (only EOS could follow), or the matcher failed
-                    reason = "error" if error else "stop"
+            num_drafts = item.num_draft_tokens
+            accepted = num_accepted(item.draft_token_ids, picked) if num_drafts else 0
+            index = seq.num_output_tokens
+            new_ids, new_logprobs = [], []
+            reason = error = None
+            for token_id, logprob in zip(picked[: accepted + 1], logprobs[: accepted + 1]):
+                seq.append_token(token_id)
+                new_ids.append(token_id)
+                new_logprobs.append(logprob)
+                if logprob is not None:
+                    seq.output_logprobs.append(logprob)
+                reason = seq.check_finished()
+                if seq.matcher is not None and reason is None:
+                    done, error = advance(seq.matcher, token_id)
+                    if done:  # the grammar is complete (only EOS could follow), or the matcher failed
+                        reason = "error" if error else "stop"
+                if reason is not None:
+                    break
+            if num_drafts:
+                self._verified(item, accepted, len(new_ids))
+            seq.num_output_steps += 1
+            seq.num_step_tokens += len(new_ids)
             ends_here = reason is not None or seq.stop_after_prefill
-            out = StepOutput(seq, [token_id], [logprob], index=seq.num_output_tokens - 1, finished=ends_here,
+            out = StepOutput(seq, new_ids, new_logprobs, index=index, finished=ends_here,
                              finish_reason=reason, error=error)
             if out.index == 0 and seq.sampling.prompt_logprobs is not None:
                 out.prompt_logprobs = seq.prompt_logprobs
@@ -356,6 +384,20 @@ class LLMEngine:
                 self._finish(seq, reason)
             outputs.append(out)
         return outputs
+
+    def _verified(self, item, accepted: int, num_emitted: int) -> None:
+        """Counters and KV of a sequence after its drafts were verified: the last token and the
+        ``accepted`` drafts have KV now; the rejected drafts' slots are rolled back (blocks past
+        what the computed tokens fill go back to the pool, and nothing past them is cached)."""
+        seq = item.seq
+        self.stats.num_decode_tokens += num_emitted
+        self.stats.num_spec_steps += 1
+        self.stats.num_draft_tokens += item.num_draft_tokens
+        self.stats.num_accepted_tokens += accepted
+        seq.num_computed_tokens = min(seq.num_computed_tokens + 1 + accepted, seq.num_tokens)
+        self.block_manager.truncate(seq, -(-seq.num_computed_tokens // self.config.block_size))
+        self.block_manager.cache_full_blocks(seq)
+        self.speculator.record(seq, item.num_draft_tokens, accepted)
 
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         self.sequences.pop(seq.request_id, None)

@@ -8,6 +8,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model.loader import ensure_model, resolve_device, resolve_dtype
+from engine.speculative import SpeculativeConfig
 from shared.config import Settings, parse_batch_sizes
 from shared.logging import get_logger
 from shared.model_files import served_model_name
@@ -34,6 +35,14 @@ def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> Engin
         kv_pinned_buffer_bytes=settings.kv_pinned_buffer_bytes,
         batch_invariant=settings.batch_invariant,
         block_dot=settings.block_dot,
+        speculative=SpeculativeConfig(
+            method=settings.speculative_method,
+            num_tokens=settings.speculative_num_tokens,
+            ngram_min=settings.speculative_ngram_min,
+            ngram_max=settings.speculative_ngram_max,
+            max_batch=settings.speculative_max_batch,
+            min_acceptance=settings.speculative_min_acceptance,
+        ),
     )
 
 

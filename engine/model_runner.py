@@ -126,10 +126,15 @@ def register_attention() -> None:
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled tokens of the sequences that reached the end of their tokens this step."""
+    """Sampled tokens of the sequences that reached the end of their tokens this step.
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    ``token_ids[k]`` and ``logprobs[k]`` belong to ``sampled[k]``: one pick, or for an item with
+    ``d`` speculative drafts the ``d + 1`` picks at its last token and at each draft (pick ``i``
+    as if drafts ``0 .. i-1`` were its output: engine/speculative.py).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
     sampled: list[ScheduledSeq]
 
 
@@ -180,10 +185,12 @@ class ModelRunner:
         float_logits_from_quantized_head(model)
         if getattr(self.attention, "accelerate_model", None) is not None:
             self.attention.accelerate_model(model)
+        #: whether a token's logits and KV are the same in any step (what speculation relies on)
+        self.is_batch_invariant = False
         if batch_invariant:
             from engine.model.batch_invariant import apply
 
-            apply(self)
+            self.is_batch_invariant = apply(self)
         self.graphs = None  # engine.model.cuda_graphs.DecodeGraphs once enable_cuda_graphs ran
         self.grammar = None  # engine.grammar.GrammarBackend once a constrained request came
 
@@ -210,7 +217,7 @@ class ModelRunner:
                          logits_to_keep=0, pd_attn=meta)
         return out.logits[0]
 
-    def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[list[int]]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -222,7 +229,7 @@ class ModelRunner:
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(item.input_token_ids() if item.draft_token_ids else seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -236,7 +243,8 @@ class ModelRunner:
                     context_len=start + n,
                     block_table=torch.tensor(table, dtype=torch.long, device=self.device),
                 ))
-            logits_index.append(len(input_ids) - 1)
+            # a speculative item samples at its last token and at every draft
+            logits_index.append(list(range(len(input_ids) - 1 - item.num_draft_tokens, len(input_ids))))
         dev = self.device
         decode_block_tables = decode_context_lens = None
         if decode_tables:
@@ -268,10 +276,11 @@ class ModelRunner:
         sampled = [item for item in batch if item.samples]
         prompt_rows = PromptLogprobRows.plan(batch) if meta.prefills else PromptLogprobRows([])
         extra = prompt_rows.rows
-        keep = torch.tensor([logits_index[i] for i, item in enumerate(batch) if item.samples] + extra,
-                            dtype=torch.long, device=self.device)
+        keep_rows = [r for i, item in enumerate(batch) if item.samples for r in logits_index[i]]
+        keep = torch.tensor(keep_rows + extra, dtype=torch.long, device=self.device)
+        rows, matchers = self._sampling_rows(sampled)
         # the grammar masks of constrained rows are computed in a thread while the forward runs
-        masks = self.grammar.start_masks([it.seq.matcher for it in sampled]) if self.grammar and sampled else None
+        masks = self.grammar.start_masks(matchers) if self.grammar and sampled else None
         logits = None
         if self.graphs is not None and not meta.prefills and sampled:
             logits = self.graphs.run(ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
@@ -288,12 +297,45 @@ class ModelRunner:
                 logits_to_keep=keep if keep.numel() else torch.tensor([0], device=self.device),
                 pd_attn=meta,
             )
-            logits = out.logits[0]  # [num_sampled + len(extra), vocab] (one row when keep is empty)
+            logits = out.logits[0]  # [num_sampled_rows + len(extra), vocab] (one row when keep is empty)
         if extra:
-            prompt_rows.apply(logits[len(sampled):])
+            prompt_rows.apply(logits[len(keep_rows):])
         if not sampled:
             return StepResult([], [], [])
-        logits = logits[: len(sampled)]
-        rows = [SamplingRow(it.seq.sampling, it.seq.prompt_token_ids, it.seq.output_token_ids) for it in sampled]
+        logits = logits[: len(keep_rows)]
         token_ids, logprobs = sample(logits, rows, masks)
-        return StepResult(token_ids, logprobs, sampled)
+        per_item_ids, per_item_logprobs, at = [], [], 0
+        for item in sampled:
+            n = item.num_draft_tokens + 1
+            per_item_ids.append(token_ids[at: at + n])
+            per_item_logprobs.append(logprobs[at: at + n])
+            at += n
+        return StepResult(per_item_ids, per_item_logprobs, sampled)
+
+    @staticmethod
+    def _sampling_rows(sampled: Seq[ScheduledSeq]) -> tuple[list[SamplingRow], list]:
+        """One sampling row per sampled position, and its grammar matcher (None: unconstrained).
+        Row ``i`` of an item with drafts sees drafts ``0 .. i-1`` as output (its penalties'
+        history and its seeded draw's index), and a copy of the matcher advanced over them
+        (the drafts were checked against the grammar when proposed)."""
+        rows: list[SamplingRow] = []
+        matchers: list = []
+        for it in sampled:
+            seq = it.seq
+            rows.append(SamplingRow(seq.sampling, seq.prompt_token_ids, seq.output_token_ids))
+            matchers.append(seq.matcher)
+            if not it.draft_token_ids:
+                continue
+            output = seq.output_token_ids
+            matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
+            for i, draft in enumerate(it.draft_token_ids):
+                output = [*output, draft]
+                rows.append(SamplingRow(seq.sampling, seq.prompt_token_ids, output))
+                if matcher is not None:
+                    matcher.consume_token(draft)
+                    matchers.append(matcher)
+                    if i + 1 < it.num_draft_tokens:
+                        matcher = matcher.deep_copy()
+                else:
+                    matchers.append(None)
+        return rows, matchers

@@ -56,3 +56,7 @@ class EngineStats:
     step_seconds: float = 0.0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
+    #: speculative decoding (engine/speculative.py): verification items, drafts, accepted drafts
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

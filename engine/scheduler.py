@@ -12,6 +12,10 @@ sequence is preempted by recompute: its blocks are freed (full ones stay in the 
 so recompute is often cheap) and it goes back to the front of the queue with its tokens —
 prompt and output — to be prefilled again. This is vLLM v1's policy
 (``vllm/v1/core/sched/scheduler.py``).
+
+A decoding sequence with speculative drafts (``seq.draft_token_ids``, engine/speculative.py)
+is scheduled with its last token and the drafts as one chunk; when the budget or the pool has
+no room for the drafts they are dropped (a plain decode step) before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -25,13 +29,27 @@ from engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """One sequence's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on,
+    of which the last ``len(draft_token_ids)`` are speculative drafts (past ``token_ids``)."""
+
     seq: Sequence
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens (so a token is sampled)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+
+    def input_token_ids(self) -> list[int]:
+        """The ``num_new_tokens`` token ids this step computes."""
+        start = self.seq.num_computed_tokens
+        source = self.seq.token_ids if not self.draft_token_ids else self.seq.token_ids + self.draft_token_ids
+        return source[start: start + self.num_new_tokens]
 
 
 @dataclass(slots=True)
@@ -95,6 +113,14 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = seq.draft_token_ids
+            if drafts and n == 1:
+                drafts = drafts[: max(0, budget - 1)]
+                if drafts and not bm.can_allocate(seq, 1 + len(drafts)):
+                    drafts = []  # no room for them: decode plainly rather than preempt anyone
+                n += len(drafts)
+            else:
+                drafts = []
             while not bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -104,7 +130,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself; nothing after it is left either
             bm.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
             budget -= n
             i += 1
 

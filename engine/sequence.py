@@ -42,6 +42,9 @@ class Sequence:
         max_model_len: context cap; reaching it ends the sequence ("length").
         stop_after_prefill: prefill workers stop a sequence once its first token is sampled.
         matcher: its grammar's matcher when ``sampling.grammar`` is set, else None.
+        draft_token_ids: this step's speculative drafts (engine/speculative.py; not in
+            ``token_ids``: they become tokens only when verified).
+        num_draft_tokens, num_accepted_tokens: drafts verified so far, and how many were kept.
     """
 
     request_id: str
@@ -65,6 +68,18 @@ class Sequence:
     matcher: Any = None  # the llguidance matcher of a constrained sequence (engine/grammar.py)
     #: with ``sampling.prompt_logprobs``: entry i is prompt token i + 1's (engine/prompt_logprobs.py)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    #: engine steps that gave this sequence output tokens here, and those tokens
+    num_output_steps: int = 0
+    num_step_tokens: int = 0
+    #: the acceptance window and pause of engine.speculative.Speculator
+    spec_window_drafted: int = 0
+    spec_window_accepted: int = 0
+    spec_pause_tokens: int = 0
+    spec_paused_until: int = 0
+    spec_draft_length: int = 0  # 0: not verified yet
 
     def __post_init__(self) -> None:
         self.update_block_hashes()

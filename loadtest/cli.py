@@ -16,7 +16,8 @@ BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench
               "http": "bench_http", "itl": "bench_itl", "load": "loadgen", "gpu": "bench_gpu",
               "sim-validate": "sim_validate",
               "invariant": "experiments.bench_invariant", "block-kernel": "experiments.bench_block_kernel",
-              "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar"}
+              "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar",
+              "spec": "bench_spec"}
 
 
 def bench(argv: list[str]) -> int:

@@ -143,6 +143,31 @@ class Settings:
         default="auto",
     )
 
+    # --- speculative decoding (engine/speculative.py) ---------------------------------------
+    speculative_method: str = _doc(
+        "Speculative decoding on decode workers: off, or ngram (prompt lookup: the continuation of the "
+        "last n tokens' most recent earlier occurrence is drafted, and the target model verifies the "
+        "drafts in one step). Tokens and logprobs are bit-identical with it and without it (greedy and "
+        "seeded sampling; needs PD_BATCH_INVARIANT on a CPU, else it stays off). A request opts out "
+        "with \"speculative\": false.",
+        default="ngram",
+    )
+    speculative_num_tokens: int = _doc(
+        "Most draft tokens per sequence per decode step (a sequence starts at half of it; its draft "
+        "length then follows its acceptance).", default=8)
+    speculative_ngram_min: int = _doc("Shortest n-gram looked up for a draft.", default=2)
+    speculative_ngram_max: int = _doc("Longest n-gram looked up for a draft (tried first).", default=4)
+    speculative_max_batch: int = _doc(
+        "No drafts in a step where more sequences than this decode (verification rows then cost about "
+        "what they save; docs/decisions.md); 0 = no limit.",
+        default=4,
+    )
+    speculative_min_acceptance: float = _doc(
+        "A sequence whose drafts are accepted less often than this (over its last 16 draft tokens) "
+        "pauses drafting for 16 output tokens, doubling up to 256 each time it fails again.",
+        default=0.3,
+    )
+
     # --- routing ------------------------------------------------------------------------
     routing: str = _doc(
         "disaggregated (every prompt is prefilled by a prefill worker), aggregated (decode workers "

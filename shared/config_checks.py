@@ -22,6 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "weights": ("auto", "float", "int8"),
     "block_dot": ("auto", "float32", "int8", "bf16"),
+    "speculative_method": ("off", "ngram"),
     "routing": ("disaggregated", "aggregated", "conditional"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),
     "attention_backend": ("auto", "reference", "cpu", "triton"),
@@ -92,6 +93,11 @@ def validate_settings(settings: typing.Any) -> None:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "nats_replicas"):
         if getattr(settings, name) <= 0:
             raise SettingsError(f"PD_{name.upper()} must be positive")
+    if settings.speculative_num_tokens < 1 or not 1 <= settings.speculative_ngram_min <= settings.speculative_ngram_max:
+        raise SettingsError("PD_SPECULATIVE_NUM_TOKENS must be >= 1 and 1 <= PD_SPECULATIVE_NGRAM_MIN <= "
+                            "PD_SPECULATIVE_NGRAM_MAX")
+    if settings.speculative_max_batch < 0 or not 0.0 <= settings.speculative_min_acceptance <= 1.0:
+        raise SettingsError("PD_SPECULATIVE_MAX_BATCH must be >= 0 and PD_SPECULATIVE_MIN_ACCEPTANCE in [0, 1]")
     for name in ("rate_limit_window_s", "rate_limit_lease_s", "keys_reload_interval_s"):
         if getattr(settings, name) <= 0:
             raise SettingsError(f"PD_{name.upper()} must be positive")

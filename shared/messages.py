@@ -42,6 +42,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     log-probability plus the k most likely alternatives. ``prompt_logprobs``: the same for
     every prompt token after the first, computed in prefill (``echo`` with ``logprobs``).
     ``grammar``: llguidance grammar (``shared/structured.py``) the output must follow.
+    ``speculative``: False opts the request out of speculative decoding (``engine/speculative.py``;
+    it never changes tokens, only how many a step produces).
     """
 
     max_tokens: int
@@ -62,6 +64,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -150,6 +153,17 @@ class DecodeTask(_Message, tag="decode"):
     route: str = ""
 
 
+class SpecStats(msgspec.Struct, frozen=True, array_like=True):
+    """Speculative decoding of one request on the decode worker that finished it
+    (engine/speculative.py): draft tokens verified, drafts accepted, and the output tokens and
+    engine steps that produced them there."""
+
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_tokens: int
+    num_steps: int
+
+
 class StreamSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the postfilter needs to know about a request; sent with its first token chunk."""
 
@@ -191,6 +205,7 @@ class TokenChunk(_Message, tag="tokens"):
     replay: bool = False
     marks: list[tuple[str, float]] = []
     prompt_logprobs: list[TokenLogprob] | None = None
+    spec_stats: SpecStats | None = None  # on the last chunk
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -234,6 +249,7 @@ class TextChunk(_Message, tag="text"):
     source: str = ""
     marks: list[tuple[str, float]] = []
     prompt_logprobs: list[OutputLogprob] | None = None
+    spec_stats: SpecStats | None = None  # on the last chunk, from the decode worker
 
 
 class Accepted(_Message, tag="accepted"):

@@ -39,6 +39,10 @@ class StageMetrics:
     kv_blocks_total: Gauge
     handoff_seconds: Histogram
     outbox_seconds: Histogram
+    spec_draft_tokens: Counter
+    spec_accepted_tokens: Counter
+    spec_acceptance_ratio: Gauge
+    seq_step_tokens: Histogram
 
 
 @functools.cache
@@ -66,6 +70,15 @@ def stage_metrics(stage: str) -> StageMetrics:
         outbox_seconds=Histogram(
             f"{p}_outbox_seconds", f"a message posted by the {stage} worker to its publish on the bus",
             buckets=HANDOFF_BUCKETS),
+        spec_draft_tokens=Counter(f"{p}_spec_draft_tokens_total",
+                                  f"speculative draft tokens verified by the {stage} worker"),
+        spec_accepted_tokens=Counter(f"{p}_spec_accepted_tokens_total",
+                                     f"speculative draft tokens the {stage} worker's verification kept"),
+        spec_acceptance_ratio=Gauge(f"{p}_spec_acceptance_ratio",
+                                    f"accepted / drafted speculative tokens since the {stage} worker started"),
+        seq_step_tokens=Histogram(f"{p}_seq_step_tokens",
+                                  f"output tokens one sequence got from one {stage} engine step (1 without "
+                                  "speculative decoding)", buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16)),
     )
 
 

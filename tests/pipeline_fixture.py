@@ -17,7 +17,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] | None = None, **overrides):
+def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] | None = None,
+               ready_timeout_s: float = 300, **overrides):
     """A running deployment; yields the launcher's Deployment (``.url``, ``.procs``)."""
     fields = dict(
         model=model,
@@ -36,7 +37,7 @@ def deployment(tmp: Path, model: str, namespace: str, replicas: dict[str, int] |
     settings = Settings.from_env({}, **fields)
     reps = {"tokenizer": 1, "prefill": 1, "decode": 1, "postfilter": 1, "gateway": 1}
     reps.update(replicas or {})
-    dep = launcher.up(settings, reps, state_dir=tmp / f"state-{namespace}", ready_timeout_s=300,
+    dep = launcher.up(settings, reps, state_dir=tmp / f"state-{namespace}", ready_timeout_s=ready_timeout_s,
                       quiet=True)
     try:
         yield dep

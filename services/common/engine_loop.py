@@ -72,6 +72,7 @@ class EngineLoop:
         self.busy_seconds = 0.0
         self.prefill_tokens_per_s = 0.0
         self.decode_step_s = 0.0
+        self._spec_seen = (0, 0)  # engine.stats (num_draft_tokens, num_accepted_tokens) last reported
         self._log_path, self._log_at = step_log, 0.0
         if step_log:
             engine.step_log = []
@@ -142,6 +143,20 @@ class EngineLoop:
         elif tokens == seqs and tokens > 0:
             self.decode_step_s = elapsed if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * elapsed
 
+    def _observe_speculation(self, outputs: list[StepOutput]) -> None:
+        """Draft and accepted tokens since the last step (engine/speculative.py), and how many
+        output tokens each decoding sequence got."""
+        stats, metrics = self.engine.stats, self.metrics
+        drafted = stats.num_draft_tokens - self._spec_seen[0]
+        if drafted:
+            metrics.spec_draft_tokens.inc(drafted)
+            metrics.spec_accepted_tokens.inc(stats.num_accepted_tokens - self._spec_seen[1])
+            self._spec_seen = (stats.num_draft_tokens, stats.num_accepted_tokens)
+            metrics.spec_acceptance_ratio.set(stats.num_accepted_tokens / stats.num_draft_tokens)
+        for out in outputs:
+            if out.index > 0:
+                metrics.seq_step_tokens.observe(len(out.new_token_ids))
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens the engine has still to compute (a read across threads: a hint)."""
         total = 0
@@ -182,6 +197,7 @@ class EngineLoop:
                 self.metrics.step_seconds.observe(elapsed)
                 self.metrics.step_tokens.observe(engine.stats.last_step_tokens)
                 self.metrics.batch_size.observe(engine.stats.last_step_seqs)
+                self._observe_speculation(outputs)
             if outputs:
                 self._delivered.clear()
                 self.loop.call_soon_threadsafe(self._deliver, outputs, time.perf_counter())

@@ -46,6 +46,7 @@ from shared.messages import (
     DecodeTask,
     ResumeQuery,
     ResumeState,
+    SpecStats,
     StreamSpec,
     TextResend,
     TokenChunk,
@@ -127,9 +128,13 @@ class DecodeWorker(ModelWorker):
                 spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), out.seq.num_cached_tokens)
                 self.waiting_first_token.pop(out.request_id, None)
             marks = []
+            spec_stats = None
             if out.finished:
                 req.marks.append(now_mark("decode.last_token"))
                 marks = req.marks
+                seq = out.seq
+                spec_stats = SpecStats(seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_step_tokens,
+                                       seq.num_output_steps)
             req.stream.push(out.new_token_ids, out.finish_reason)
             self.post(req.stream.target, TokenChunk(
                 request_id=out.request_id,
@@ -141,6 +146,7 @@ class DecodeWorker(ModelWorker):
                 worker=self.instance_id,
                 marks=marks,
                 prompt_logprobs=out.prompt_logprobs,
+                spec_stats=spec_stats,
             ))
             if out.finished and not req.done.done():
                 req.done.set_result(out.finish_reason)

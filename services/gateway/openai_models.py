@@ -139,6 +139,8 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, max_length=256)
+    #: pdserve extra (beside vLLM's ignore_eos, cache_salt, ...): false opts out of speculative decoding
+    speculative: bool = True
 
     @field_validator("stop")
     @classmethod

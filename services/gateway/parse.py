@@ -129,6 +129,7 @@ class ChoiceBuilder:
             logprobs=num_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            speculative=req.speculative,
         )
 
     def _meta(self, request_id: str, now: float, req, tenant: Tenant | None) -> RequestMeta:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.pipeline import PipelineClient
 from shared.errors import Aborted, DeadlineExceeded, RelayedError
-from shared.messages import Accepted, ErrorEvent, OutputLogprob, TextChunk, TokenizeTask, Usage
+from shared.messages import Accepted, ErrorEvent, OutputLogprob, SpecStats, TextChunk, TokenizeTask, Usage
 from shared.streams import TEXT_POLICY, Ready, StreamGap, StreamReceiver
 
 #: Abort tasks in flight (a reference keeps them from being garbage-collected mid-way).
@@ -51,6 +51,7 @@ class Choice:
     prompt_logprobs: list[OutputLogprob] | None = None
     accepted: bool = False
     marks: list = field(default_factory=list)
+    spec_stats: SpecStats | None = None  # speculative decoding on the decode worker that finished it
     stream: StreamReceiver = field(
         default_factory=lambda: StreamReceiver(TEXT_POLICY, time.monotonic(), unit="character"))
 
@@ -268,6 +269,7 @@ class RequestRun:
             choice.finish_reason = event.finish_reason
             choice.usage = event.usage
             choice.marks = list(event.marks)
+            choice.spec_stats = event.spec_stats
         return Delta(choice, text, event.finish_reason, new_logprobs, event.text_offset + ready.skip, prompt_logprobs)
 
     async def wait_accepted(self) -> None:

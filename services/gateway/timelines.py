@@ -31,6 +31,7 @@ class Timeline:
                 "phases": [{"phase": name, "ms": round(s * 1e3, 3)} for name, s in ph],
                 "sum_ms": round(sum(s for _, s in ph) * 1e3, 3),
                 "marks": [{"mark": name, "at": t, "ms": round((t - received) * 1e3, 3)} for name, t in marks],
+                "speculation": speculation(getattr(c, "spec_stats", None)),
             })
 
     @property
@@ -52,3 +53,16 @@ class Timeline:
             return ""
         parts = [f"{p['phase']}={p['ms']:.1f}" for p in self.choices[0]["phases"]]
         return ";".join([*parts, f"total={self.e2e_ms:.1f}"])
+
+
+def speculation(stats) -> dict | None:
+    """A choice's speculative decoding on the decode worker that finished it (``SpecStats``):
+    drafts verified and accepted, the acceptance rate, and output tokens per engine step."""
+    if stats is None:
+        return None
+    return {
+        "draft_tokens": stats.num_draft_tokens,
+        "accepted_tokens": stats.num_accepted_tokens,
+        "acceptance_rate": round(stats.num_accepted_tokens / stats.num_draft_tokens, 4) if stats.num_draft_tokens else None,
+        "tokens_per_step": round(stats.num_tokens / stats.num_steps, 3) if stats.num_steps else None,
+    }

@@ -271,7 +271,7 @@ class PostfilterWorker(Worker):
         self.post(st.spec.reply_to, TextChunk(
             request_id=rid, text=text, text_offset=piece.index, num_tokens=st.num_tokens,
             finish_reason=finish, usage=st.usage if finish else None, logprobs=logprobs, source=self.inbox,
-            marks=marks, prompt_logprobs=st.prompt_logprobs,
+            marks=marks, prompt_logprobs=st.prompt_logprobs, spec_stats=chunk.spec_stats if finish else None,
         ))
         st.prompt_logprobs = None
         if finish is not None:

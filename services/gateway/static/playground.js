@@ -134,7 +134,10 @@ function showStats(box, s) {
   div.innerHTML = `<span>TTFT <b class="ttft">${fmt(s.ttft)}</b></span>` +
     `<span>ITL (mean) <b class="itl">${fmt(s.itl)}</b></span>` +
     `<span>end-to-end <b>${fmt(s.e2e)}</b></span><span>chunks <b>${s.chunks}</b></span>` +
-    (s.finish ? `<span>finish <b>${s.finish}</b></span>` : "");
+    (s.finish ? `<span>finish <b>${s.finish}</b></span>` : "") +
+    (s.spec && s.spec.acceptance_rate != null
+      ? `<span>speculation: accepted <b class="spec">${(100 * s.spec.acceptance_rate).toFixed(0)}%</b>, ` +
+        `<b>${s.spec.tokens_per_step.toFixed(2)}</b> tokens/step</span>` : "");
   box.appendChild(div);
 }
 
@@ -171,7 +174,8 @@ async function send(text) {
     const tl = id ? await fetchTimeline(id) : null;
     showStats(box, { ttft: tl && tl.ttft_ms != null ? tl.ttft_ms : (arrivals.length ? arrivals[0] - started : null),
       itl: gaps.length ? gaps.reduce((a, b) => a + b, 0) / gaps.length : null,
-      e2e: tl ? tl.e2e_ms : performance.now() - started, chunks: arrivals.length, finish });
+      e2e: tl ? tl.e2e_ms : performance.now() - started, chunks: arrivals.length, finish,
+      spec: tl && tl.choices && tl.choices[0] ? tl.choices[0].speculation : null });
     if (tl) drawTimeline(box, tl);
   } catch (e) {
     box.classList.add("error");

@@ -1,0 +1,195 @@
+"""Speculative decoding that never changes the answer: drafting, acceptance, and when not to.
+
+A decoding sequence normally computes one token per engine step. With speculation, a step
+runs its last token *and* ``d`` draft tokens as rows of one chunk (the engine's per-row,
+batch-invariant path, :mod:`engine.model.batch_invariant`), and the sampler picks the target's
+token at each of the ``d + 1`` positions exactly as it would have without drafts: the logits of
+a row are bit-identical to those of the same token decoded alone, the history the penalties
+and grammar mask see is the drafts before it, and the random draw of output position ``i`` is
+seeded from ``(seed, i)`` (:func:`engine.sampler.step_seed`). Position ``i``'s pick is
+therefore the token the sequence would have produced there *if* drafts ``0 .. i-1`` were the
+tokens it produced; the engine keeps the longest prefix of drafts that equal the picks plus
+the pick after them (:func:`num_accepted`): between 1 and ``d + 1`` tokens a step, always the
+tokens (and logprobs) of plain decoding, for greedy and seeded sampling alike. This is exact
+*verification by the target's own sampler* rather than the rejection sampling of Leviathan et
+al. (2023) / Chen et al. (2023), which keeps the distribution but not the tokens.
+
+Drafting is model-free prompt lookup (:class:`NgramProposer`): the last ``n`` tokens are
+looked up earlier in the sequence (prompt and output) and the tokens that followed the most
+recent match are the draft. The idea is Saxena's "Prompt Lookup Decoding" (2023,
+https://github.com/apoorvumang/prompt-lookup-decoding), which vLLM serves as its n-gram
+proposer (``vllm/v1/spec_decode/ngram_proposer.py``: the longest suffix match between a
+minimum and maximum n); this module is written from those descriptions. It pays on outputs
+that copy their input: editing or summarising a given text, code edits, RAG answers.
+
+When not to (:class:`Speculator`; the measurements behind the defaults are in
+docs/decisions.md):
+
+* per sequence: the draft length follows the last verification (doubled after a fully accepted
+  draft, else what was accepted plus one), and a sequence whose drafts are rarely accepted (below ``min_acceptance`` over its
+  last ``ACCEPTANCE_WINDOW`` draft tokens) stops drafting for a pause of output tokens that
+  doubles each time (``PAUSE_TOKENS`` up to ``MAX_PAUSE_TOKENS``), then tries again;
+* per step: when more than ``max_batch`` sequences decode in a step, none drafts: the step is
+  then bound by compute per row rather than by reading the weights once, and extra rows cost
+  about what they would save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+METHODS = ("off", "ngram")
+#: Draft tokens over which a sequence's acceptance rate is judged.
+ACCEPTANCE_WINDOW = 16
+#: Output tokens a sequence with a low acceptance rate decodes without drafts, the first time.
+PAUSE_TOKENS = 16
+#: The longest such pause (each low window doubles it).
+MAX_PAUSE_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """How an engine speculates (``PD_SPECULATIVE_*`` settings).
+
+    Attributes:
+        method: ``off`` or ``ngram`` (prompt lookup).
+        num_tokens: most draft tokens per sequence per step.
+        ngram_min, ngram_max: n-gram sizes looked up, longest first.
+        max_batch: most decoding sequences in a step for which drafts are made (0: no limit).
+        min_acceptance: acceptance rate below which a sequence pauses drafting.
+    """
+
+    method: str = "off"
+    num_tokens: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    max_batch: int = 4
+    min_acceptance: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, not {self.method!r}")
+        if self.num_tokens < 1 or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("speculative num_tokens must be >= 1 and 1 <= ngram_min <= ngram_max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+class NgramProposer:
+    """Prompt-lookup drafts: the continuation of the most recent earlier occurrence of the
+    sequence's last ``n`` tokens, for ``n`` from ``ngram_max`` down to ``ngram_min``.
+
+    Args:
+        ngram_min, ngram_max: the n-gram sizes tried (longest first).
+    """
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+
+    def propose(self, token_ids: Seq[int], num_draft: int) -> list[int]:
+        """Up to ``num_draft`` draft tokens to follow ``token_ids`` (possibly none).
+
+        Cost: one vectorized comparison of ``len(token_ids) x n`` per n tried (~0.1 ms at
+        2,000 tokens on these CPUs)."""
+        total = len(token_ids)
+        if num_draft <= 0 or total < self.ngram_min + 1:
+            return []
+        arr = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.ngram_max, total - 1), self.ngram_min - 1, -1):
+            pattern = arr[total - n:]
+            # windows starting at s cover s .. s+n-1; s <= total-n-1 leaves at least one token after
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: total - 1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start: start + num_draft].tolist()
+        return []
+
+
+def num_accepted(draft_token_ids: Seq[int], picked_token_ids: Seq[int]) -> int:
+    """How many leading drafts equal the target's picks at their positions (``picked[i]`` is the
+    token sampled at the position of ``draft[i]``; ``len(picked) == len(draft) + 1``). The step
+    emits ``picked[: accepted + 1]``."""
+    n = 0
+    for draft, picked in zip(draft_token_ids, picked_token_ids):
+        if draft != picked:
+            break
+        n += 1
+    return n
+
+
+class Speculator:
+    """Makes the drafts of a step's decoding sequences and keeps each one's acceptance.
+
+    Args:
+        config: the settings.
+        max_model_len: the engine's context length (drafts never pass it).
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+
+    def propose(self, running: Iterable[Sequence]) -> int:
+        """Set ``draft_token_ids`` of every sequence in ``running`` (empty for those not drafting
+        this step); returns the number of sequences with drafts."""
+        decoding = [s for s in running if _is_decoding(s)]
+        for seq in running:
+            seq.draft_token_ids = []
+        if self.config.max_batch and len(decoding) > self.config.max_batch:
+            return 0
+        count = 0
+        for seq in decoding:
+            if not seq.sampling.speculative or seq.num_output_tokens < seq.spec_paused_until:
+                continue
+            room = min(self.draft_length(seq),
+                       seq.sampling.max_tokens - seq.num_output_tokens - 1,  # the pick after them
+                       self.max_model_len - seq.num_tokens)  # positions of the drafts' KV
+            draft = self.proposer.propose(seq.token_ids, room)
+            if draft and seq.matcher is not None:  # drafts the grammar forbids would be rejected anyway
+                draft = draft[: seq.matcher.validate_tokens(draft)]
+            if draft:
+                seq.draft_token_ids = draft
+                count += 1
+        return count
+
+    def draft_length(self, seq: Sequence) -> int:
+        """Drafts to ask for: ``seq.spec_draft_length`` once verified (see :meth:`record`), else
+        half of ``num_tokens`` (at least 1)."""
+        return seq.spec_draft_length or max(1, self.config.num_tokens // 2)
+
+    def record(self, seq: Sequence, num_drafted: int, num_accepted_tokens: int) -> None:
+        """Count one verification of ``seq``; adapt its draft length; pause its drafting when its
+        acceptance is low.
+
+        Draft length: doubled (up to ``num_tokens``) when every draft was accepted, else the
+        number accepted plus one (at least 1): each verified row costs about a third of a
+        one-row step on these CPUs (docs/decisions.md), so drafts past the likely match are waste.
+        """
+        if num_accepted_tokens == num_drafted:
+            seq.spec_draft_length = min(self.config.num_tokens, 2 * max(num_drafted, self.draft_length(seq)))
+        else:
+            seq.spec_draft_length = max(1, num_accepted_tokens + 1)
+        seq.num_draft_tokens += num_drafted
+        seq.num_accepted_tokens += num_accepted_tokens
+        seq.spec_window_drafted += num_drafted
+        seq.spec_window_accepted += num_accepted_tokens
+        if seq.spec_window_drafted >= ACCEPTANCE_WINDOW:
+            if seq.spec_window_accepted < self.config.min_acceptance * seq.spec_window_drafted:
+                seq.spec_pause_tokens = min(MAX_PAUSE_TOKENS, max(PAUSE_TOKENS, 2 * seq.spec_pause_tokens))
+                seq.spec_paused_until = seq.num_output_tokens + seq.spec_pause_tokens
+            seq.spec_window_drafted = seq.spec_window_accepted = 0
+
+
+def _is_decoding(seq: Sequence) -> bool:
+    """Past its prompt with all but its last token computed (a plain decode step next)."""
+    return seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_computed_tokens >= seq.num_prompt_tokens

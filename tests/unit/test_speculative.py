@@ -1,0 +1,267 @@
+"""Speculative decoding (engine/speculative.py) on the tiny model: tokens and logprobs bit-identical
+with and without it, KV blocks and the prefix cache exactly as without it, and the rules of
+when not to speculate.
+
+The tiny model's random weights rarely repeat themselves, so most tests draft with an *oracle*:
+the tokens the request produces without speculation (from a first run), with some drafts
+deliberately wrong — verification then accepts long runs, rejects at known places, and rolls
+back what it rejected. The n-gram proposer is tested on its own and end to end on SmolLM2
+(tests/e2e/test_smollm2_speculative.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model.quant import bf16_dot_available
+from engine.speculative import ACCEPTANCE_WINDOW, NgramProposer, SpeculativeConfig, Speculator, num_accepted
+from shared.messages import SamplingParams
+from shared.structured import schema_grammar
+
+BLOCK_SIZE = 4
+pytestmark = pytest.mark.timeout(1200)  # the first test builds the kernels when the cache has none
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "float"])
+def model(request, tiny_model_dir):
+    """The tiny model in bfloat16 (PD_DTYPE=auto on an AVX512-BF16 CPU) with GGUF-style Q4_1 blocks
+    (the default model's storage: the fused per-row path) and with float weights (the unfused
+    batch-invariant path)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.weights import quantize_float
+    from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
+
+    register_attention()
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
+                                             attn_implementation=ATTN_IMPLEMENTATION).eval()
+    if request.param != "float":
+        quantize_float(m, request.param)
+    return m
+
+
+def make_engine(model, spec: SpeculativeConfig | None = None, tokenizer_dir=None, **overrides) -> LLMEngine:
+    dot = "bf16" if bf16_dot_available(torch.bfloat16) else "float32"  # what PD_BLOCK_DOT=auto picks
+    cfg = dict(model_id="tiny", block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=512,
+               num_kv_blocks=512, block_dot=dot, speculative=spec or SpeculativeConfig())
+    cfg.update(overrides)
+    engine = LLMEngine(copy.deepcopy(model), EngineConfig(**cfg), eos_token_ids=())
+    if tokenizer_dir is not None:
+        engine.grammar.folder = tokenizer_dir
+    return engine
+
+
+ON = SpeculativeConfig(method="ngram", num_tokens=4, max_batch=0)
+
+
+class Oracle:
+    """Drafts the reference output's next tokens, every ``wrong_every``-th draft token replaced by
+    a wrong one (so verification rejects there)."""
+
+    def __init__(self, reference: dict[str, list[int]], wrong_every: int, seed: int = 0):
+        self.reference = reference
+        self.wrong_every = wrong_every
+        self.rng = random.Random(seed)
+        self.num_proposed = 0
+
+    def install(self, engine: LLMEngine, ids: dict[str, str]) -> None:
+        speculator = engine.speculator
+
+        def propose(token_ids, num_draft):
+            seq = next(s for s in engine.scheduler.running if s.token_ids is token_ids)
+            ref = self.reference[ids[seq.request_id]]
+            draft = list(ref[seq.num_output_tokens: seq.num_output_tokens + num_draft])
+            for i in range(len(draft)):
+                self.num_proposed += 1
+                if self.wrong_every and self.num_proposed % self.wrong_every == 0:
+                    draft[i] = (draft[i] + 1 + self.rng.randrange(50)) % engine.model.config.vocab_size
+            return draft
+
+        speculator.proposer.propose = propose
+
+
+def run(engine: LLMEngine, prompts, params, check_blocks=True):
+    """Generate; after every step, check each running sequence holds exactly the blocks its computed
+    tokens fill (rolled back drafts included). Returns the sequences in prompt order."""
+    seqs = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while engine.has_unfinished():
+        engine.step()
+        if check_blocks:
+            for seq in engine.scheduler.running:
+                if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK_SIZE), seq.request_id
+    return seqs
+
+
+def outputs(seqs):
+    return [(s.output_token_ids, s.output_logprobs, s.finish_reason) for s in seqs]
+
+
+PROMPTS = [list(range(10, 26)), [5, 6, 7, 8, 9, 5, 6, 7], list(range(40, 47)), [3, 4, 3, 4, 3, 4, 3]]
+PARAMS = [
+    SamplingParams(max_tokens=37, temperature=0.0, logprobs=3),
+    SamplingParams(max_tokens=40, temperature=0.8, seed=7, logprobs=5),
+    SamplingParams(max_tokens=29, temperature=1.0, seed=3, top_p=0.9, repetition_penalty=1.2,
+                   frequency_penalty=0.3, logprobs=0),
+    SamplingParams(max_tokens=25, temperature=0.6, seed=11, top_k=20, stop_token_ids=(7,)),
+]
+
+
+def reference(model, prompts=PROMPTS, params=PARAMS, **kw):
+    engine = make_engine(model, **kw)
+    return engine, outputs(run(engine, prompts, params))
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3, 7])
+def test_tokens_and_logprobs_identical_with_and_without_speculation(model, wrong_every):
+    base_engine, base = reference(model)
+    ref = {f"r{i}": out[0] for i, out in enumerate(base)}
+    engine = make_engine(model, ON)
+    assert engine.speculator is not None
+    oracle = Oracle(ref, wrong_every)
+    oracle.install(engine, {k: k for k in ref})
+    got = outputs(run(engine, PROMPTS, PARAMS))
+    assert got == base  # tokens, logprobs (chosen and top-k) and finish reasons, bit for bit
+    stats = engine.stats
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens > 0
+    if wrong_every == 0:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens  # all right drafts are accepted
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_steps < base_engine.stats.num_steps  # several tokens per step
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_prefix_cache_holds_the_same_blocks_with_the_same_kv(model):
+    """Rejected drafts' KV never enters the prefix cache: after the same requests, the cached
+    hashes are those of the run without speculation, and each cached block's KV is bit-identical."""
+    base_engine, base = reference(model)
+    engine = make_engine(model, ON)
+    Oracle({f"r{i}": out[0] for i, out in enumerate(base)}, wrong_every=2).install(engine, {f"r{i}": f"r{i}" for i in range(4)})
+    run(engine, PROMPTS, PARAMS)
+    a, b = base_engine.block_manager.cached_blocks, engine.block_manager.cached_blocks
+    assert set(a) == set(b) and len(a) > 20
+    for h in a:
+        ka, va = base_engine.kv_cache.layer(0)
+        kb, vb = engine.kv_cache.layer(0)
+        assert torch.equal(ka[a[h].block_id], kb[b[h].block_id]) and torch.equal(va[a[h].block_id], vb[b[h].block_id])
+
+
+def test_preemption_with_a_small_pool_gives_the_same_tokens(model):
+    """A pool too small for every sequence at once: sequences are preempted and recomputed, and
+    drafts are dropped when there is no room for them."""
+    prompts = PROMPTS * 2
+    params = PARAMS * 2
+    base_engine, base = reference(model, prompts, params, num_kv_blocks=40)
+    assert base_engine.scheduler.num_preemptions > 0
+    engine = make_engine(model, ON, num_kv_blocks=40)
+    Oracle({f"r{i}": out[0] for i, out in enumerate(base)}, wrong_every=5).install(engine, {f"r{i}": f"r{i}" for i in range(8)})
+    assert outputs(run(engine, prompts, params)) == base
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.num_accepted_tokens > 0
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_max_tokens_and_stop_tokens_inside_an_accepted_run(model):
+    """A request whose last allowed token (or a stop token) falls inside a run of accepted drafts
+    ends exactly there."""
+    prompts = [PROMPTS[0]] * 3
+    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=1) for n in (1, 2, 6)]
+    _, base = reference(model, prompts, params)
+    stop_at = base[2][0][3]
+    prompts.append(PROMPTS[0])
+    params.append(SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop_at,)))
+    _, base = reference(model, prompts, params)
+    assert base[3][2] == "stop" and len(base[3][0]) <= 4
+    engine = make_engine(model, SpeculativeConfig(method="ngram", num_tokens=8, max_batch=0))
+    Oracle({f"r{i}": out[0] + [1] * 10 for i, out in enumerate(base)}, wrong_every=0).install(engine, {f"r{i}": f"r{i}" for i in range(4)})
+    assert outputs(run(engine, prompts, params)) == base
+
+
+def test_grammar_masks_apply_at_every_draft_position(model, tiny_model_dir, tiny_model):
+    tok = tiny_model[2]
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}}
+    grammar = schema_grammar(schema, "response_format")
+    prompt = tok.encode("Hello world")
+    params = [SamplingParams(max_tokens=60, temperature=0.0, grammar=grammar, logprobs=2),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=5, grammar=grammar, logprobs=2)]
+    base_engine = make_engine(model, tokenizer_dir=tiny_model_dir)
+    base = outputs(run(base_engine, [prompt] * 2, params))
+    for out in base:
+        jsonschema.validate(json.loads(tok.decode(out[0], skip_special_tokens=True)), schema)
+    engine = make_engine(model, ON, tokenizer_dir=tiny_model_dir)
+    Oracle({f"r{i}": out[0] for i, out in enumerate(base)}, wrong_every=4).install(engine, {"r0": "r0", "r1": "r1"})
+    assert outputs(run(engine, [prompt] * 2, params)) == base
+    assert engine.stats.num_accepted_tokens > 10
+
+
+def test_opt_out_and_batch_limit_draft_nothing(model):
+    engine = make_engine(model, SpeculativeConfig(method="ngram", max_batch=2))
+    ref = {f"r{i}": [0] * 50 for i in range(4)}
+    Oracle(ref, 0).install(engine, {k: k for k in ref})
+    same_length = [SamplingParams(max_tokens=20, temperature=0.0)] * 4
+    run(engine, PROMPTS, same_length)  # four decoding at once until they all end, above max_batch: no drafts
+    assert engine.stats.num_draft_tokens == 0
+    engine = make_engine(model, ON)
+    Oracle(ref, 0).install(engine, {k: k for k in ref})
+    params = [SamplingParams(max_tokens=10, temperature=0.0, speculative=False)]
+    run(engine, PROMPTS[:1], params)
+    assert engine.stats.num_draft_tokens == 0
+
+
+def test_speculation_stays_off_without_the_batch_invariant_path(model):
+    assert make_engine(model, ON, batch_invariant=False).speculator is None
+
+
+def test_low_acceptance_pauses_a_sequence():
+    spec = Speculator(SpeculativeConfig(method="ngram", min_acceptance=0.5), max_model_len=1000)
+    from engine.sequence import Sequence
+
+    seq = Sequence("a", list(range(10)), 5, SamplingParams(max_tokens=100), BLOCK_SIZE)
+    spec.record(seq, ACCEPTANCE_WINDOW, 1)
+    assert seq.spec_paused_until == 5 + 16
+    spec.record(seq, ACCEPTANCE_WINDOW, 1)
+    assert seq.spec_pause_tokens == 32  # doubles
+    seq2 = Sequence("b", list(range(10)), 5, SamplingParams(max_tokens=100), BLOCK_SIZE)
+    spec.record(seq2, ACCEPTANCE_WINDOW, ACCEPTANCE_WINDOW // 2)
+    assert seq2.spec_paused_until == 0
+
+
+def test_ngram_proposer():
+    p = NgramProposer(2, 3)
+    # the last 3 tokens (7, 8, 9) occurred at 1..3; the draft is what followed them
+    assert p.propose([1, 7, 8, 9, 4, 5, 6, 2, 7, 8, 9], 3) == [4, 5, 6]
+    assert p.propose([1, 7, 8, 9, 4, 5, 6, 2, 7, 8, 9], 1) == [4]
+    # the most recent match wins; a 2-gram when no 3-gram matches
+    assert p.propose([8, 9, 1, 2, 0, 8, 9, 3, 5, 8, 9], 2) == [3, 5]
+    assert p.propose([1, 2, 3, 4], 4) == []  # no repeat
+    assert p.propose([1, 2, 1, 2], 4) == [1, 2]  # stops at the end of the sequence
+    assert num_accepted([1, 2, 3], [1, 2, 4, 9]) == 2
+    assert num_accepted([1, 2, 3], [5, 2, 3, 9]) == 0
+    assert num_accepted([1, 2, 3], [1, 2, 3, 9]) == 3
+
+
+def test_the_request_timeline_shows_acceptance_and_tokens_per_step():
+    from types import SimpleNamespace
+
+    from services.gateway.timelines import Timeline
+    from shared.messages import SpecStats, TextChunk, decode_as, encode
+
+    chunk = TextChunk(request_id="r", text="x", text_offset=0, num_tokens=30, finish_reason="stop",
+                      spec_stats=SpecStats(num_draft_tokens=40, num_accepted_tokens=30, num_tokens=30, num_steps=10))
+    stats = decode_as(encode(chunk), TextChunk).spec_stats  # rides the bus
+    tl = Timeline("r", [("gateway.received", 1.0)])
+    tl.end([SimpleNamespace(index=0, request_id="r-0", marks=[], spec_stats=stats),
+            SimpleNamespace(index=1, request_id="r-1", marks=[], spec_stats=None)])
+    got = tl.to_dict()["choices"]
+    assert got[0]["speculation"] == {"draft_tokens": 40, "accepted_tokens": 30, "acceptance_rate": 0.75,
+                                     "tokens_per_step": 3.0}
+    assert got[1]["speculation"] is None
