@@ -14,6 +14,8 @@ streamed requests at ``--concurrency``:
 * ``nats``: the NATS server is restarted every few seconds;
 * ``redis``: the Redis server (the KV store) is restarted every few seconds;
 * ``disconnect``: a third of the clients go away at a random point of their stream;
+* ``storm`` (asked for by name; ``loadtest/chaos_storm.py``): ``--storm-streams`` long-prompt
+  streams all dropped within 0.5 s of their headers, then a probe timed against its idle latency;
 * with ``--nats-cluster 3``: ``nats-node``, ``nats-partition``, ``nats-freeze`` and
   ``nats-partition-gateway`` (``loadtest/chaos_cluster.py``).
 
@@ -44,6 +46,8 @@ from pathlib import Path
 import httpx
 
 from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
+from loadtest.chaos_storm import SCENARIO as STORM
+from loadtest.chaos_storm import StormRow, format_storm, run_storm
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
@@ -249,8 +253,11 @@ def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int]
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
               interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None,
-              nats_nodes: int = 1, time_scale: float = 1.0) -> list[Row]:
-    """Run the scenarios; returns one row each (also used by the CI test). ``nats_nodes`` > 1:
+              nats_nodes: int = 1, time_scale: float = 1.0, storm_streams: int = 100,
+              storm_prompt_tokens: int = 3500, storm_max_tokens: int = 64) -> list[Row | StormRow]:
+    """Run the scenarios; returns one row each (also used by the CI test): a :class:`StormRow`
+    for the ``storm`` scenario (``storm_streams`` streams of ~``storm_prompt_tokens`` tokens,
+    ``loadtest/chaos_storm.py``), a :class:`Row` for the others. ``nats_nodes`` > 1:
     on a local NATS cluster of that many nodes, with stream replicas min(3, nodes).
     ``time_scale`` multiplies the requests' time limits (request, first-token and stall
     timeouts, and so the hang margin) on a machine slower or busier than a developer's."""
@@ -282,10 +289,19 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     rows = []
     hang_s = settings.request_timeout_s + 30
     try:
-        say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy, alone) ...")
-        expected = references(dep.url, name, prompts, max_tokens, hang_s)
+        expected = []
+        if any(s != STORM for s in scenarios):
+            say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy, alone) ...")
+            expected = references(dep.url, name, prompts, max_tokens, hang_s)
         for k, scenario in enumerate(scenarios):
             say(f"chaos: scenario {scenario} ...")
+            if scenario == STORM:
+                storm = run_storm(dep, settings, name, storm_streams, storm_prompt_tokens,
+                                  lambda: measure_leftovers(dep, settings, settings.kv_block_ttl_s + 3),
+                                  max_tokens=storm_max_tokens, seed=k, say=say)
+                rows.append(storm)
+                say(format_storm([storm]))
+                continue
             faults = Faults(scenario, dep, nats, redis, interval_s, seed=k)
             started = time.monotonic()
             if scenario != "disconnect":
@@ -346,18 +362,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=4.0, help="seconds between faults")
     p.add_argument("--min-faults", type=int, default=3, help="keep sending requests until this many faults")
     p.add_argument("--scenarios", default="",
-                   help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}")
+                   help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}; "
+                        f"also: {STORM}")
     p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
     p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
+    p.add_argument("--storm-streams", type=int, default=100, help="storm: concurrent long-prompt streams")
+    p.add_argument("--storm-prompt-tokens", type=int, default=3500, help="storm: tokens per prompt (about)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply the requests' time limits (120 s request, 60 s first token, 20 s stall)")
     args = p.parse_args(argv or [])
     scenarios = args.scenarios or ",".join(CLUSTER_SCENARIOS if args.nats_cluster > 1 else SCENARIOS)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
                      [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
-                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale)
+                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale,
+                     storm_streams=args.storm_streams, storm_prompt_tokens=args.storm_prompt_tokens)
+    storms = [r for r in rows if isinstance(r, StormRow)]
+    rows = [r for r in rows if not isinstance(r, StormRow)]
     print()
-    print(format_rows(rows))
+    if rows:
+        print(format_rows(rows))
+    if storms:
+        print(format_storm(storms))
     for r in rows:
         for o in r.outcomes:
             if o.status in ("failed", "broken", "hung"):
@@ -365,4 +390,5 @@ def main(argv: list[str] | None = None) -> int:
         for i, o in r.wrong_examples[:3]:
             print(f"  {r.scenario}: wrong text for prompt {i}: {o.text[:120]!r}")
     bad = sum(r.count("hung") + r.wrong + r.count("broken") + r.staged_bytes + r.blocks_held for r in rows)
+    bad += sum(not r.is_clean for r in storms)
     return 1 if bad else 0
