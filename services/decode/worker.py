@@ -155,14 +155,20 @@ class DecodeWorker(ModelWorker):
         return [req.task.meta for req in self.active.values()]
 
     async def on_abort(self, abort: Abort) -> None:
-        req = self.active.get(abort.request_id)
-        if req is not None:
-            seq = await self.engine_loop.call(lambda e: e.abort(abort.request_id))
-            if not req.done.done():
-                req.done.set_result("superseded" if abort.worker else "abort")
-                if not abort.worker:
-                    self.count_cancelled("deadline" if abort.reason == "deadline" else "cancelled",
-                                         "running" if seq is not None else "queued")
+        rid = abort.request_id
+        req = self.active.get(rid)
+        if req is None:
+            return
+        # not awaited: the engine drops it before its next step, and the next Abort (a storm of
+        # them) must not wait for that step boundary behind this one
+        call = self.engine_loop.call(lambda e: e.abort(rid))
+        if req.done.done():
+            return
+        req.done.set_result("superseded" if abort.worker else "abort")
+        if not abort.worker:
+            reason = "deadline" if abort.reason == "deadline" else "cancelled"
+            call.add_done_callback(lambda f: self.count_cancelled(
+                reason, "running" if not f.cancelled() and not f.exception() and f.result() is not None else "queued"))
 
     async def _on_control_message(self, message) -> None:
         """A postfilter missed tokens of a request this worker streams: send them again."""

@@ -150,13 +150,19 @@ class PrefillWorker(ModelWorker):
         fut.set_exception(Aborted(abort.reason))
         seq = self.engine.sequences.get(rid)  # read across threads: the count when the cancel came
         chunks_before = seq.num_prefill_chunks if seq is not None else 0
-        seq = await self.engine_loop.call(lambda e: e.abort(rid))
-        chunks = self.cancel_metrics["prefill_chunks"]
-        if seq is not None:
-            chunks.labels("before_cancel").inc(min(chunks_before, seq.num_prefill_chunks))
-            chunks.labels("after_cancel").inc(max(0, seq.num_prefill_chunks - chunks_before))
         reason = "deadline" if abort.reason == "deadline" else "cancelled"
-        self.count_cancelled(reason, "running" if seq is not None and seq.num_prefill_chunks else "queued")
+
+        def account(done: asyncio.Future) -> None:
+            seq = None if done.cancelled() or done.exception() else done.result()
+            if seq is not None:
+                chunks = self.cancel_metrics["prefill_chunks"]
+                chunks.labels("before_cancel").inc(min(chunks_before, seq.num_prefill_chunks))
+                chunks.labels("after_cancel").inc(max(0, seq.num_prefill_chunks - chunks_before))
+            self.count_cancelled(reason, "running" if seq is not None and seq.num_prefill_chunks else "queued")
+
+        # not awaited: this runs in the abort subscription's callback, and the next Abort (a
+        # storm of them) must not wait for the engine's step boundary behind this one
+        self.engine_loop.call(lambda e: e.abort(rid)).add_done_callback(account)
 
     # --- the work ---------------------------------------------------------------------------
     def held_requests(self) -> list[RequestMeta]:

@@ -216,7 +216,7 @@ def test_prefill_past_its_deadline_stops_with_deadline_exceeded(tiny_model_dir):
             await st.until(lambda: st.errors(rid), what="no error")
             assert st.errors(rid)[0].code == "deadline_exceeded" and st.errors(rid)[0].status == 504
             await st.until(lambda: rid not in st.worker.pending)
-            assert rid not in engine.sequences
+            await st.until(lambda: rid not in engine.sequences, what="still in the engine")  # at its next step
             assert engine.stats.num_prefill_tokens < NUM_PROMPT_TOKENS
             assert not st.tokens and await st.queue_empty(st.worker.protocol.decode)
         finally:
@@ -266,8 +266,8 @@ def test_decode_past_its_deadline_stops_with_deadline_exceeded(tiny_model_dir):
             await st.until(lambda: st.errors(rid), what="no error")
             assert st.errors(rid)[0].code == "deadline_exceeded"
             await st.until(lambda: rid not in st.worker.active)
+            await st.until(lambda: rid not in st.worker.engine.sequences, what="still in the engine")
             assert len(st.tokens) < 900 and not any(t.finish_reason for t in st.tokens)
-            assert rid not in st.worker.engine.sequences
         finally:
             await st.stop()
 
