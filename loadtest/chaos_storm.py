@@ -154,11 +154,11 @@ def run_storm(dep, settings: Settings, model: str, streams: int, prompt_tokens: 
     hang_s = settings.request_timeout_s + 30
     with httpx.Client(base_url=dep.url, timeout=hang_s) as client:
         prompts = storm_prompts(client, model, streams, prompt_tokens, seed)
-        idle = [probe_once(client, model) for _ in range(3)]
+        idle = [probe_once(client, model) for _ in range(5)]
         errors = [e for _, e in idle if e]
         if errors:
             raise RuntimeError(f"the idle probe failed: {errors[0]}")
-        row.idle_s = statistics.median(s for s, _ in idle[1:])  # the first one warms up
+        row.idle_s = statistics.median(s for s, _ in idle[2:])  # the first ones warm up
         stages = ("tokenizer", "prefill", "decode")
         before = {s: _worker_sum(settings, "pd_cancelled_total", f'stage="{s}"', stages) for s in stages}
         chunks_before = (_worker_sum(settings, "pd_prefill_cancelled_chunks_total"),
