@@ -306,13 +306,14 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks are freed. False if unknown."""
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is; its blocks are freed. Returns its sequence (what it had
+        computed: ``num_prefill_chunks``, ``num_computed_tokens``), None if unknown."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
-            return False
+            return None
         self.scheduler.finish(seq, "abort")
-        return True
+        return seq
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -344,6 +345,7 @@ class LLMEngine:
                 self.stats.num_decode_tokens += 1
             else:
                 self.stats.num_prefill_tokens += item.num_new_tokens
+                seq.num_prefill_chunks += 1
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
         outputs = []

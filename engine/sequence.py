@@ -36,6 +36,7 @@ class Sequence:
         hash_extra: extra bytes in every block hash (model, block size, cache salt).
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens found in a prefix cache at admission (not computed).
+        num_prefill_chunks: engine steps that computed part of its prompt (what an abort wasted).
         block_table: KV block ids, in token order.
         block_hashes: hashes of the full blocks of ``token_ids`` so far.
         eos_token_ids: tokens that end the sequence unless ``sampling.ignore_eos``.
@@ -59,6 +60,7 @@ class Sequence:
     arrival_at: float = field(default_factory=time.monotonic)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_prefill_chunks: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

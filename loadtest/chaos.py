@@ -19,6 +19,8 @@ streamed requests at ``--concurrency``:
   prompts at a concurrency of the prefill replicas) for ``--overload-duration`` (60) seconds
   (``loadtest/chaos_overload.py``): each must complete or get a typed error (most a 503 from
   admission) within its deadline, and the admitted ones' TTFT p99 stay within it;
+* ``storm`` (asked for by name; ``loadtest/chaos_storm.py``): ``--storm-streams`` long-prompt
+  streams all dropped within 0.5 s of their headers, then a probe timed against its idle latency;
 * with ``--nats-cluster 3``: ``nats-node``, ``nats-partition``, ``nats-freeze`` and
   ``nats-partition-gateway`` (``loadtest/chaos_cluster.py``).
 
@@ -50,6 +52,8 @@ import httpx
 
 from loadtest.chaos_client import Outcome, one_request, run_load  # noqa: F401 (re-exported)
 from loadtest.chaos_cluster import CLUSTER_SCENARIOS, cluster_fault, make_nats
+from loadtest.chaos_storm import SCENARIO as STORM
+from loadtest.chaos_storm import StormRow, format_storm, run_storm
 from loadtest.infra import NatsServer, RedisServer, free_port
 from shared.config import Settings
 
@@ -186,8 +190,11 @@ def measure_leftovers(dep, settings: Settings, wait_s: float) -> tuple[int, int,
 
 def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scenarios: list[str],
               interval_s: float, min_faults: int = 3, quiet: bool = False, workdir: Path | None = None,
-              nats_nodes: int = 1, time_scale: float = 1.0, overload=None) -> list[Row]:
-    """Run the scenarios; returns one row each (also used by the CI test). ``nats_nodes`` > 1:
+              nats_nodes: int = 1, time_scale: float = 1.0, overload=None, storm_streams: int = 100,
+              storm_prompt_tokens: int = 3500, storm_max_tokens: int = 64) -> list[Row | StormRow]:
+    """Run the scenarios; returns one row each (also used by the CI test): a :class:`StormRow`
+    for the ``storm`` scenario (``storm_streams`` streams of ~``storm_prompt_tokens`` tokens,
+    ``loadtest/chaos_storm.py``), a :class:`Row` for the others. ``nats_nodes`` > 1:
     on a local NATS cluster of that many nodes, with stream replicas min(3, nodes).
     ``time_scale`` multiplies the requests' time limits (request, first-token and stall
     timeouts, and so the hang margin) on a machine slower or busier than a developer's.
@@ -223,8 +230,10 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
     rows = []
     hang_s = settings.request_timeout_s + 30
     try:
-        say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy, alone) ...")
-        expected = references(dep.url, name, prompts, max_tokens, hang_s)
+        expected = []
+        if any(s != STORM for s in scenarios):
+            say(f"chaos: reference texts for {requests} prompts ({name}, {max_tokens} tokens, greedy, alone) ...")
+            expected = references(dep.url, name, prompts, max_tokens, hang_s)
         for k, scenario in enumerate(scenarios):
             say(f"chaos: scenario {scenario} ...")
             if scenario == "overload":
@@ -236,6 +245,13 @@ def run_chaos(model: str, requests: int, concurrency: int, max_tokens: int, scen
                     dep, settings, settings.kv_block_ttl_s + 3)
                 rows.append(row)
                 say(format_rows([row], header=False))
+                continue
+            if scenario == STORM:
+                storm = run_storm(dep, settings, name, storm_streams, storm_prompt_tokens,
+                                  lambda: measure_leftovers(dep, settings, settings.kv_block_ttl_s + 3),
+                                  max_tokens=storm_max_tokens, seed=k, say=say)
+                rows.append(storm)
+                say(format_storm([storm]))
                 continue
             faults = Faults(scenario, dep, nats, redis, interval_s, seed=k)
             started = time.monotonic()
@@ -301,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-faults", type=int, default=3, help="keep sending requests until this many faults")
     p.add_argument("--scenarios", default="",
                    help=f"default: {','.join(SCENARIOS)}; with --nats-cluster: {','.join(CLUSTER_SCENARIOS)}; "
-                        f"also: {','.join(EXTRA_SCENARIOS)}")
+                        f"also: {','.join((*EXTRA_SCENARIOS, STORM))}")
     p.add_argument("--overload-duration", type=float, default=60.0, help="overload: seconds of arrivals")
     p.add_argument("--overload-factor", type=float, default=4.0, help="overload: times the sustained rate")
     p.add_argument("--overload-rate", type=float, default=0.0,
@@ -311,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="overload: PD_MAX_QUEUE_TIME_S of the deployment (x --time-scale)")
     p.add_argument("--nats-cluster", type=int, default=1, metavar="N", help="run on a local N-node NATS cluster")
     p.add_argument("--workdir", default="", help="keep the servers' and services' logs here (default: a temp dir)")
+    p.add_argument("--storm-streams", type=int, default=100, help="storm: concurrent long-prompt streams")
+    p.add_argument("--storm-prompt-tokens", type=int, default=3500, help="storm: tokens per prompt (about)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply the requests' time limits (120 s request, 60 s first token, 20 s stall)")
     args = p.parse_args(argv or [])
@@ -321,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
                         prompt_words=args.overload_prompt_words, max_queue_time_s=args.overload_max_queue_time)
     rows = run_chaos(args.model, args.requests, args.concurrency, args.max_tokens,
                      [s for s in scenarios.split(",") if s], args.interval, args.min_faults, nats_nodes=args.nats_cluster,
-                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale, overload=plan)
+                     workdir=Path(args.workdir) if args.workdir else None, time_scale=args.time_scale, overload=plan,
+                     storm_streams=args.storm_streams, storm_prompt_tokens=args.storm_prompt_tokens)
+    storms = [r for r in rows if isinstance(r, StormRow)]
+    rows = [r for r in rows if not isinstance(r, StormRow)]
     print()
-    print(format_rows(rows))
+    if rows:
+        print(format_rows(rows))
+    if storms:
+        print(format_storm(storms))
     for r in rows:
         if r.overload is not None:
             print()
@@ -336,4 +360,5 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r.scenario}: wrong text for prompt {i}: {o.text[:120]!r}")
     bad = sum(r.count("hung") + r.wrong + r.count("broken") + r.staged_bytes + r.blocks_held + r.ledger_entries
               + (r.overload or {}).get("late", 0) for r in rows)
+    bad += sum(not r.is_clean for r in storms)
     return 1 if bad else 0

@@ -219,7 +219,12 @@ class Settings:
     gateway_port: int = _doc("Gateway HTTP port.", default=8000)
     playground: bool = _doc("Serve the browser playground (chat + per-request timeline) at /.", default=True)
     request_timeout_s: float = _doc(
-        "Deadline of a whole request; past it the client gets an error.", default=600.0
+        "Deadline of a whole request (unless it asks for its own with the X-Request-Timeout header); "
+        "past it the client gets a deadline_exceeded error and every stage drops its work.", default=600.0
+    )
+    max_request_timeout_s: float = _doc(
+        "Longest deadline a request may ask for (X-Request-Timeout, seconds); more is a 400. 0 = no maximum.",
+        default=3600.0,
     )
     stall_timeout_s: float = _doc(
         "Once a request streams, the longest wait for its next event before it fails.", default=30.0

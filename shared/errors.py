@@ -116,7 +116,8 @@ class ServiceUnavailable(PdError):
 
 
 class DeadlineExceeded(PdError):
-    """The request ran past its deadline or a stage stopped answering (504)."""
+    """The request ran past its deadline (code ``deadline_exceeded``, see ``shared/deadline.py``)
+    or a stage stopped answering (code ``timeout``): 504."""
 
     status = 504
     type = "server_error"

@@ -122,6 +122,22 @@ def router_metrics() -> Counter:
 
 
 @functools.cache
+def cancel_metrics() -> dict:
+    """Work of cancelled requests (client gone, stop string, gateway gone) and of requests past
+    their deadline, by stage. ``phase`` "queued": dropped before any of it was computed (at
+    fetch, or before tokenizing); "running": stopped part way (a prefill at its next chunk, a
+    decode at its next step). ``reason``: "cancelled" | "deadline"."""
+    return {
+        "dropped": Counter("pd_cancelled_total", "work items of cancelled or expired requests dropped or stopped",
+                           ["stage", "reason", "phase"]),
+        "prefill_chunks": Counter(
+            "pd_prefill_cancelled_chunks_total",
+            "prefill chunks computed for requests that were then cancelled or expired; when=after_cancel: "
+            "computed after the cancel reached the worker (the chunk in progress then)", ["when"]),
+    }
+
+
+@functools.cache
 def queue_metrics() -> Gauge:
     """JetStream consumer backlog per stage (messages not yet delivered), seen by a gateway."""
     return Gauge("pd_queue_backlog", "work items waiting in a stage's JetStream work queue", ["stage"])

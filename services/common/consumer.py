@@ -10,6 +10,8 @@ handler does not:
 * an exception whose class says ``nak`` is retried via redelivery with a delay, until the
   item's last delivery, when the request gets an error instead;
 * any other exception fails the request with an error event and acks the item;
+* an item whose request was cancelled (an Abort was heard) or is past its deadline is acked
+  and dropped at fetch, before any handler runs (``Worker.cancel_reason``);
 * items held a long time (decode holds its item until the request finishes) are marked
   in progress well inside ``ack_wait``, so JetStream does not redeliver them while alive.
 """
@@ -151,9 +153,22 @@ class PullConsumer:
             asyncio.ensure_future(self._fail_poison(msg, exc, request_id, reply_to))
             return
         item = WorkItem(delivery=msg, message=message, num_delivered=delivered, max_deliver=self.worker.settings.max_deliver)
+        reason = self.worker.cancel_reason(message.meta)
+        if reason is not None:  # cancelled or expired while queued: drop it uncomputed
+            self.worker.count_cancelled(reason, "queued")
+            self.metrics.tasks.labels("dropped").inc()
+            asyncio.ensure_future(self._drop(item))
+            return
         self.in_flight.add(item)
         self.metrics.in_flight.set(len(self.in_flight))
         asyncio.ensure_future(self._run_handler(item))
+
+    async def _drop(self, item: WorkItem) -> None:
+        await item.ack()
+        try:
+            await self.worker.drop_work(item.message)
+        except Exception as exc:
+            self.log.warning("drop_work_failed", request_id=item.request_id, error=str(exc))
 
     async def _fail_poison(self, msg: Delivery, exc: Exception, request_id, reply_to) -> None:
         await _quiet(msg.term())

@@ -11,18 +11,21 @@ import time
 from engine.factory import build_engine
 from engine.outputs import StepOutput
 from services.common.engine_loop import EngineLoop
-from services.common.runtime import Worker
+from services.common.runtime import RecentSet, Worker
 from shared.bus import Bus
 from shared.config import Settings, parse_cpus
+from shared.deadline import deadline_exceeded, is_expired
 from shared.hashing import num_reusable_blocks
 from shared.kv import block_key, open_store
 from shared.kv.ledger import ledger_for
-from shared.messages import Heartbeat, Progress, RequestMeta
+from shared.messages import Abort, Heartbeat, Progress, RequestMeta
 from shared.metrics import kv_metrics, stage_metrics
 from shared.registry import WorkerRegistry
 
 #: Seconds between Progress events for requests this worker holds before their first token.
 PROGRESS_INTERVAL_S = 2.0
+#: Seconds between sweeps for held requests past their deadline.
+DEADLINE_SWEEP_S = 0.25
 
 
 class ModelWorker(Worker):
@@ -32,6 +35,7 @@ class ModelWorker(Worker):
     def __init__(self, settings: Settings, bus: Bus | None = None):
         super().__init__(settings, bus)
         self.engine_loop: EngineLoop | None = None  # the engine on its own thread, once setup() built it
+        self.expired = RecentSet()  # requests stopped here at their deadline
 
     @property
     def num_running(self) -> int:
@@ -75,6 +79,7 @@ class ModelWorker(Worker):
 
         await self.bus.subscribe(self.protocol.heartbeat, on_heartbeat)
         self.spawn(self._progress_loop(), "progress")
+        self.spawn(self._deadline_loop(), "deadlines")
 
     def engine_heartbeat_fields(self) -> dict:
         loop = self.engine_loop
@@ -91,6 +96,25 @@ class ModelWorker(Worker):
 
     def _on_step_error(self, request_ids: list[str], exc: Exception) -> None:
         raise NotImplementedError
+
+    def held_requests(self) -> list[RequestMeta]:
+        """The requests this worker holds now (queued in its engine or running)."""
+        raise NotImplementedError
+
+    async def _deadline_loop(self) -> None:
+        """Every ``DEADLINE_SWEEP_S``: stop the requests held here whose deadline passed (as an
+        Abort would: out of the engine at its next step) and tell their gateway
+        ``deadline_exceeded`` — a gateway cut off from this worker would otherwise keep them
+        running for nobody. A gateway that is alive has usually sent the Abort itself."""
+        while True:
+            await asyncio.sleep(DEADLINE_SWEEP_S)
+            now = time.time()
+            for meta in self.held_requests():
+                if is_expired(meta.deadline_at, now) and meta.request_id not in self.expired:
+                    self.expired.add(meta.request_id)
+                    self.log.info("deadline_passed", request_id=meta.request_id)
+                    await self.on_abort(Abort(request_id=meta.request_id, reason="deadline"))
+                    await self.send_error(meta.reply_to, meta.request_id, deadline_exceeded(f"in {self.stage}"))
 
     async def _progress_loop(self) -> None:
         """Tell the gateways of requests still before their first token that they are being

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from services.common.consumer import PullConsumer
 from shared.bus import Bus, NoResponders
 from shared.config import Settings
+from shared.deadline import bounded, is_expired
 from shared.logging import configure_logging, get_logger
 from shared.messages import (
     Abort,
@@ -31,7 +32,7 @@ from shared.messages import (
     StatusQuery,
     decode_as,
 )
-from shared.metrics import ProbeServer
+from shared.metrics import ProbeServer, cancel_metrics
 from shared.model_files import served_model_name
 from shared.nats_bus import NatsBus
 from shared.tracing import configure_tracing
@@ -54,6 +55,11 @@ class RecentSet:
 
     def __contains__(self, key: str) -> bool:
         self._expire()
+        return key in self._items
+
+    def has(self, key: str) -> bool:
+        """Membership without expiring anything: safe to call from another thread (a dict
+        lookup under the GIL), at the price of maybe seeing an id past its ``ttl_s``."""
         return key in self._items
 
     def _expire(self) -> None:
@@ -101,6 +107,10 @@ class Worker:
     async def on_abort(self, abort: Abort) -> None:
         """Drop all work on ``abort.request_id``."""
 
+    async def drop_work(self, message) -> None:
+        """A work item of a cancelled or expired request was dropped at fetch, unstarted: release
+        what it holds elsewhere (decode: the staged tail of its KV)."""
+
     async def before_drain(self) -> None:
         """Stop taking work; finish or hand back in-flight work (nak). The base drains the
         stage's work-queue consumer, if it has one."""
@@ -110,6 +120,22 @@ class Worker:
     def heartbeat_fields(self) -> dict:
         """Extra Heartbeat fields: ``num_running``, ``num_waiting``, ``capacity``, ``inbox``."""
         return {}
+
+    # --- cancellation and deadlines --------------------------------------------------------
+    def cancel_reason(self, meta: RequestMeta) -> str | None:
+        """"cancelled" (an Abort for it was heard), "deadline" (past ``meta.deadline_at``), or
+        None: go on. The cancel set is this worker's :class:`RecentSet` of broadcast Aborts, so
+        asking costs a dict lookup; every stage asks before it computes anything."""
+        if meta.request_id in self.aborted:
+            return "cancelled"
+        if is_expired(meta.deadline_at):
+            return "deadline"
+        return None
+
+    def count_cancelled(self, reason: str, phase: str) -> None:
+        """Count a cancelled request's work: ``phase`` "queued" (dropped before computing) or
+        "running" (stopped part way)."""
+        cancel_metrics()["dropped"].labels(self.stage, reason, phase).inc()
 
     # --- helpers for subclasses ---------------------------------------------------------------
     def spawn(self, coro, name: str) -> asyncio.Task:
@@ -161,16 +187,25 @@ class Worker:
         heartbeat) for ``gateway_gone_s``: then it is dead, or it has given the request up
         (issue 19: a partition longer than heartbeat_timeout_s made workers drop
         redelivered work whose gateway was alive)."""
-        if meta.request_id in self.aborted or time.time() > meta.deadline_at:
+        reason = self.cancel_reason(meta)
+        if reason is not None:
+            self.count_cancelled(reason, "queued")
             return False
         if num_delivered <= 1 and meta.created_at >= self.started_at:
             return True
         ask_until = time.monotonic() + self.settings.heartbeat_timeout_s
         while True:
+            if is_expired(meta.deadline_at):  # asking is a wait too: bounded by the deadline
+                self.count_cancelled("deadline", "queued")
+                return False
             try:
                 reply = await self.bus.request(self.protocol.gateway_status(meta.reply_to),
-                                               StatusQuery(request_id=meta.request_id), timeout_s=1.0)
-                return decode_as(reply, RequestStatus).open
+                                               StatusQuery(request_id=meta.request_id),
+                                               timeout_s=max(0.05, bounded(1.0, meta.deadline_at)))
+                is_open = decode_as(reply, RequestStatus).open
+                if not is_open:
+                    self.count_cancelled("cancelled", "queued")
+                return is_open
             except NoResponders:
                 if self.gateway_silent_s(meta) >= self.gateway_gone_s:
                     self.log.warning("gateway_gone_dropping", request_id=meta.request_id,

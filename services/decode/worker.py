@@ -39,7 +39,8 @@ from services.common.model_worker import ModelWorker
 from services.common.runtime import main
 from shared.bus import Bus
 from shared.config import Settings
-from shared.errors import EngineError, KVTransferError, ServiceUnavailable
+from shared.deadline import wait_within
+from shared.errors import DeadlineExceeded, EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import block_key
 from shared.messages import (
     Abort,
@@ -158,12 +159,24 @@ class DecodeWorker(ModelWorker):
             if req is not None and not req.done.done():
                 req.done.set_exception(EngineError(f"decode failed: {exc}"))
 
+    def held_requests(self) -> list:
+        return [req.task.meta for req in self.active.values()]
+
     async def on_abort(self, abort: Abort) -> None:
-        req = self.active.get(abort.request_id)
-        if req is not None:
-            await self.engine_loop.call(lambda e: e.abort(abort.request_id))
-            if not req.done.done():
-                req.done.set_result("superseded" if abort.worker else "abort")
+        rid = abort.request_id
+        req = self.active.get(rid)
+        if req is None:
+            return
+        # not awaited: the engine drops it before its next step, and the next Abort (a storm of
+        # them) must not wait for that step boundary behind this one
+        call = self.engine_loop.call(lambda e: e.abort(rid))
+        if req.done.done():
+            return
+        req.done.set_result("superseded" if abort.worker else "abort")
+        if not abort.worker:
+            reason = "deadline" if abort.reason == "deadline" else "cancelled"
+            call.add_done_callback(lambda f: self.count_cancelled(
+                reason, "running" if not f.cancelled() and not f.exception() and f.result() is not None else "queued"))
 
     async def _on_control_message(self, message) -> None:
         """A postfilter missed tokens of a request this worker streams: send them again."""
@@ -347,7 +360,13 @@ class DecodeWorker(ModelWorker):
             if not output_ids:
                 self.waiting_first_token[rid] = meta
             with span("decode.kv_get", decode_span.headers, has_kv=task.kv is not None):
-                blocks, tail = await self._fetch_kv(task)
+                try:
+                    blocks, tail = await wait_within(self._fetch_kv(task), meta.deadline_at,
+                                                     "waiting for its prompt's KV")
+                except DeadlineExceeded:
+                    self.count_cancelled("deadline", "queued")
+                    await self._drop_tail(task)
+                    raise  # the gateway hears deadline_exceeded; the task is acked
             handle = task.kv
             hashes = handle.block_hashes if handle else task.block_hashes
             if handle is None and hashes:
@@ -378,6 +397,9 @@ class DecodeWorker(ModelWorker):
             self.active.pop(rid, None)
             self.waiting_first_token.pop(rid, None)
             self.consumer.notify_room()
+
+    async def drop_work(self, message) -> None:
+        await self._drop_tail(message)
 
     async def _drop_tail(self, task: DecodeTask) -> None:
         if task.kv is not None:

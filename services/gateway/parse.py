@@ -132,17 +132,20 @@ class ChoiceBuilder:
             speculative=req.speculative,
         )
 
-    def _meta(self, request_id: str, now: float, req, tenant: Tenant | None) -> RequestMeta:
+    def _meta(self, request_id: str, now: float, req, tenant: Tenant | None, timeout_s: float | None) -> RequestMeta:
         salt = Admission.cache_salt(tenant, req.cache_salt)
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         return RequestMeta(request_id=request_id, reply_to=self.inbox, model=self.model_name, created_at=now,
-                           deadline_at=now + self.settings.request_timeout_s, cache_salt=salt)
+                           deadline_at=now + timeout_s, cache_salt=salt)
 
     @staticmethod
     def _base_seed(req) -> int:
         return (req.seed % (1 << 63)) if req.seed is not None else random.getrandbits(63)
 
-    def chat(self, req: ChatCompletionRequest, base_id: str, tenant: Tenant | None = None) -> list[Choice]:
-        """One pipeline request per choice; choice k samples with seed + k."""
+    def chat(self, req: ChatCompletionRequest, base_id: str, tenant: Tenant | None = None,
+             timeout_s: float | None = None) -> list[Choice]:
+        """One pipeline request per choice; choice k samples with seed + k. Each carries the
+        deadline ``timeout_s`` (default ``PD_REQUEST_TIMEOUT_S``) from now."""
         now = time.time()
         requested = req.requested_max_tokens()
         max_tokens = requested if requested is not None else self.prompts.max_model_len
@@ -151,7 +154,7 @@ class ChoiceBuilder:
         seed = self._base_seed(req)
         return [
             Choice(index=k, prompt_index=0, task=TokenizeTask(
-                meta=self._meta(f"{base_id}-{k}", now, req, tenant),
+                meta=self._meta(f"{base_id}-{k}", now, req, tenant, timeout_s),
                 sampling=msgspec.structs.replace(
                     self.sampling_for(req, max_tokens, (seed + k) % (1 << 63), req.num_logprobs()),
                     grammar=plan.grammar),
@@ -163,7 +166,8 @@ class ChoiceBuilder:
             for k in range(req.n)
         ]
 
-    def completion(self, req: CompletionRequest, base_id: str, tenant: Tenant | None = None) -> list[Choice]:
+    def completion(self, req: CompletionRequest, base_id: str, tenant: Tenant | None = None,
+                   timeout_s: float | None = None) -> list[Choice]:
         """One pipeline request per (prompt, choice); choice index = prompt * n + k, sampled
         with seed + index."""
         now = time.time()
@@ -175,7 +179,7 @@ class ChoiceBuilder:
             for k in range(req.n):
                 index = p * req.n + k
                 task = TokenizeTask(
-                    meta=self._meta(f"{base_id}-{index}", now, req, tenant),
+                    meta=self._meta(f"{base_id}-{index}", now, req, tenant, timeout_s),
                     sampling=msgspec.structs.replace(
                         self.sampling_for(req, max_tokens, (seed + index) % (1 << 63), req.num_logprobs()),
                         prompt_logprobs=req.prompt_logprobs()),

@@ -16,6 +16,7 @@ from services.gateway.recovery import Resubmitter
 from shared import messages
 from shared.bus import Bus
 from shared.config import Settings
+from shared.deadline import task_headers
 from shared.errors import PoisonMessage, ServiceUnavailable
 from shared.logging import get_logger
 from shared.messages import Abort, Heartbeat, Message, RequestStatus, StatusQuery, TextResend, TokenizeTask
@@ -185,7 +186,8 @@ class PipelineClient:
             ServiceUnavailable: JetStream did not take it.
         """
         self.resubmitter.submitted(task)
-        await self.bus.publish_work(self.protocol.entry, task, task.meta.request_id)
+        await self.bus.publish_work(self.protocol.entry, task, task.meta.request_id,
+                                    headers=task_headers(task.meta.deadline_at))
 
     async def resend_text(self, source: str, request_id: str, from_offset: int) -> None:
         """Ask the postfilter at ``source`` for a request's text from ``from_offset`` on; with no

@@ -10,6 +10,7 @@ import time
 
 import msgspec
 
+from shared.deadline import task_headers
 from shared.logging import get_logger
 from shared.messages import Message, TextChunk, TokenizeTask, WorkQueueLost
 from shared.recovery import RESUBMITTED, work_id
@@ -62,6 +63,7 @@ class Resubmitter:
             self.tasks[rid] = task
             self.resubmitted_at[rid] = now
             try:
-                await self.client.bus.publish_work(self.client.protocol.entry, task, work_id(task.meta))
+                await self.client.bus.publish_work(self.client.protocol.entry, task, work_id(task.meta),
+                                                   headers=task_headers(task.meta.deadline_at))
             except Exception as exc:
                 log.warning("resubmit_failed", request_id=rid, error=str(exc))

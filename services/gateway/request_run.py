@@ -19,7 +19,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from services.gateway.disconnect import ClientGone, DisconnectWatch
 from services.gateway.pipeline import PipelineClient
+from shared.deadline import deadline_exceeded
 from shared.errors import Aborted, DeadlineExceeded, RelayedError
 from shared.messages import Accepted, ErrorEvent, OutputLogprob, SpecStats, TextChunk, TokenizeTask, Usage
 from shared.streams import TEXT_POLICY, Ready, StreamGap, StreamReceiver
@@ -96,6 +98,8 @@ class RequestRun:
         on_tick: coroutine function called every ``tick_s`` of silence; it may raise (a
             client that went away raises Aborted).
         ticket: its admission ticket (the caller, its rate-limit reservation), settled by the gateway.
+        watch: a :class:`~services.gateway.disconnect.DisconnectWatch` on the client's connection:
+            its disconnect ends the run at once (``Aborted``), whatever it waits for.
         timeline, span: its timeline (``/debug/timeline``) and trace span, ended by the gateway.
 
     Use it as ``async with run:`` — entering registers every choice's event route and submits
@@ -104,8 +108,9 @@ class RequestRun:
 
     def __init__(self, client: PipelineClient, choices: list[Choice], deadline_at: float, stall_timeout_s: float,
                  tick_s: float = 1.0, on_tick=None, first_token_timeout_s: float | None = None, *,
-                 ticket=None, timeline=None, span=None):
+                 ticket=None, timeline=None, span=None, watch: DisconnectWatch | None = None):
         self.client = client
+        self.watch = watch
         self.ticket = ticket
         self.timeline = timeline
         self.span = span
@@ -126,6 +131,8 @@ class RequestRun:
     async def __aenter__(self) -> RequestRun:
         for c in self.choices:
             self.client.register(c.request_id, self.queue)
+        if self.watch is not None:
+            self.watch.start(self.queue.put_nowait)
         try:
             for c in self.choices:
                 await self.client.submit(c.task)
@@ -138,6 +145,8 @@ class RequestRun:
         """Unregister, and tell every stage to drop unfinished choices. The abort runs as a
         task of its own: when the client went away the caller is being cancelled, and an
         await here would be cancelled before the abort was sent."""
+        if self.watch is not None:
+            self.watch.stop()
         self._unregister()
         if any(not c.finished for c in self.choices):
             reason = "client_disconnected" if exc_type in (asyncio.CancelledError, GeneratorExit) else "error"
@@ -189,7 +198,7 @@ class RequestRun:
         """
         now = time.time()
         if now >= self.deadline_at:
-            raise DeadlineExceeded("the request ran past its deadline")
+            raise deadline_exceeded("waiting for the pipeline")
         # before the first token a request may wait behind others' prefills; after it, the
         # stream must keep moving
         limit = self.stall_timeout_s if self.first_token_at is not None else self.first_token_timeout_s
@@ -205,6 +214,8 @@ class RequestRun:
             if tick_s is not None and timeout == tick_s:
                 return None
             return await self._next_event(tick_s)  # re-checks which limit passed
+        if isinstance(event, ClientGone):
+            raise Aborted("client disconnected")
         if self._is_progress(event):
             self._last_event_at = time.monotonic()
         if isinstance(event, TextChunk) and event.text and self.first_token_at is None:

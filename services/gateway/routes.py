@@ -35,6 +35,7 @@ from services.gateway.pipeline import PipelineClient
 from services.gateway.playground import mount_playground
 from services.gateway.service import MAX_TIMELINES, Gateway
 from shared.config import Settings
+from shared.deadline import requested_timeout_s
 from shared.errors import InvalidRequest, MethodNotAllowed, ModelNotFound, NotFound, PdError, RelayedError
 from shared.logging import get_logger, request_scope
 
@@ -70,13 +71,19 @@ async def _parsed(request: Request, cls):
     return gw, tenant, parse_body(cls, await read_json(request, gw.settings.max_request_body_bytes), gw.model_name)
 
 
+def _timeout_s(request: Request, gw: Gateway) -> float:
+    """The request's deadline in seconds from now (``X-Request-Timeout``, within the maximum)."""
+    s = gw.settings
+    return requested_timeout_s(request.headers, s.request_timeout_s, s.max_request_timeout_s)
+
+
 @router.post("/v1/chat/completions", openapi_extra=BODIES["chat"])
 async def chat_completions(request: Request):
     received_at = time.time()
     gw, tenant, req = await _parsed(request, ChatCompletionRequest)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with request_scope(request_id, user=req.user or ""):
-        choices = gw.choices.chat(req, request_id, tenant)
+        choices = gw.choices.chat(req, request_id, tenant, timeout_s=_timeout_s(request, gw))
         return await gw.serve(request, "chat", req, choices, request_id, tenant, received_at)
 
 
@@ -86,7 +93,7 @@ async def completions(request: Request):
     gw, tenant, req = await _parsed(request, CompletionRequest)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     with request_scope(request_id, user=req.user or ""):
-        choices = gw.choices.completion(req, request_id, tenant)
+        choices = gw.choices.completion(req, request_id, tenant, timeout_s=_timeout_s(request, gw))
         return await gw.serve(request, "completion", req, choices, request_id, tenant, received_at)
 
 

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.model import servable_model_folder
+from services.gateway.disconnect import DisconnectWatch
 from services.gateway.echo import PromptEcho
 from services.gateway.openai_models import DetokenizeRequest, TokenizeRequest
 from services.gateway.parse import ChoiceBuilder
@@ -133,7 +134,7 @@ class Gateway:
         return RequestRun(self.client, choices, choices[0].task.meta.deadline_at, self.settings.stall_timeout_s,
                           on_tick=lambda: self._check_alive(request),
                           first_token_timeout_s=self.settings.first_token_timeout_s,
-                          ticket=ticket, span=gateway_span,
+                          ticket=ticket, span=gateway_span, watch=DisconnectWatch(request.receive),
                           timeline=Timeline(request_id, [("gateway.received", received_at), published]))
 
     async def _check_alive(self, request: Request) -> None:

@@ -36,6 +36,7 @@ from services.common.model_worker import ModelWorker
 from services.common.runtime import main
 from shared.bus import Bus
 from shared.config import Settings
+from shared.deadline import task_headers
 from shared.errors import Aborted, EngineError, KVTransferError, ServiceUnavailable
 from shared.kv import BLOCK, TAIL, block_key, tail_key
 from shared.kv.layout import KVHandle
@@ -48,7 +49,7 @@ from shared.messages import (
     StreamSpec,
     TokenChunk,
 )
-from shared.metrics import kv_ledger_metrics
+from shared.metrics import cancel_metrics, kv_ledger_metrics
 from shared.recovery import work_id
 from shared.timeline import with_mark
 from shared.tracing import span
@@ -107,6 +108,7 @@ class PrefillWorker(ModelWorker):
 
     async def setup(self) -> None:
         await super().setup()
+        self.cancel_metrics = cancel_metrics()
         self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s,
                                self.ledger, self.instance_id)
         self.reaper = KVReaper(self, self.ledger, self.store)
@@ -158,12 +160,34 @@ class PrefillWorker(ModelWorker):
                 fut.set_exception(EngineError(f"prefill failed: {exc}"))
 
     async def on_abort(self, abort: Abort) -> None:
-        fut = self.pending.get(abort.request_id)
-        if fut is not None and not fut.done():
-            fut.set_exception(Aborted(abort.reason))
-            self.engine_loop.call(lambda e: e.abort(abort.request_id))
+        """Stop the request's prefill: queued in the engine it is dropped, running it stops
+        after the chunk in progress (the engine runs the abort between steps). Counts the
+        chunks it had computed, and how many of those came after the cancel arrived."""
+        rid = abort.request_id
+        fut = self.pending.get(rid)
+        if fut is None or fut.done():
+            return
+        fut.set_exception(Aborted(abort.reason))
+        seq = self.engine.sequences.get(rid)  # read across threads: the count when the cancel came
+        chunks_before = seq.num_prefill_chunks if seq is not None else 0
+        reason = "deadline" if abort.reason == "deadline" else "cancelled"
+
+        def account(done: asyncio.Future) -> None:
+            seq = None if done.cancelled() or done.exception() else done.result()
+            if seq is not None:
+                chunks = self.cancel_metrics["prefill_chunks"]
+                chunks.labels("before_cancel").inc(min(chunks_before, seq.num_prefill_chunks))
+                chunks.labels("after_cancel").inc(max(0, seq.num_prefill_chunks - chunks_before))
+            self.count_cancelled(reason, "running" if seq is not None and seq.num_prefill_chunks else "queued")
+
+        # not awaited: this runs in the abort subscription's callback, and the next Abort (a
+        # storm of them) must not wait for the engine's step boundary behind this one
+        self.engine_loop.call(lambda e: e.abort(rid)).add_done_callback(account)
 
     # --- the work ---------------------------------------------------------------------------
+    def held_requests(self) -> list[RequestMeta]:
+        return list(self.waiting_first_token.values())
+
     async def handle(self, item: WorkItem) -> str | None:
         task: PrefillTask = item.message  # type: ignore[assignment]
         meta = with_mark(task.meta, "prefill.fetched")
@@ -185,6 +209,11 @@ class PrefillWorker(ModelWorker):
                 meta = msgspec.structs.replace(meta, headers=carry or meta.headers)
                 store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
                 await self.engine.grammar.precompile(task.sampling.grammar)  # off the engine thread
+                if fut.done():  # cancelled while its prefix was read: never queued in the engine
+                    fut.exception()
+                    await item.ack()
+                    return "aborted"
+                # an abort arriving from here on is queued after this call on the engine thread
                 await self.engine_loop.call(lambda e: e.add_request(
                     rid, task.prompt_token_ids, task.sampling, stop_after_prefill=True,
                     cache_salt=meta.cache_salt, block_hashes=task.block_hashes))
@@ -241,7 +270,7 @@ class PrefillWorker(ModelWorker):
             kv=handle,
             num_cached_tokens=seq.num_cached_tokens,
         )
-        await self.bus.publish_work(self.protocol.decode, decode, work_id(meta))
+        await self.bus.publish_work(self.protocol.decode, decode, work_id(meta), headers=task_headers(meta.deadline_at))
         if handle is not None:
             try:
                 await asyncio.to_thread(self.ledger.handed_off, meta.request_id)

@@ -18,6 +18,7 @@ from services.common.consumer import PullConsumer, WorkItem
 from services.common.runtime import Worker
 from services.plugins.api import PromptStage, load_class, stage_name
 from shared.config import Settings
+from shared.deadline import task_headers
 from shared.messages import TokenizeTask
 from shared.recovery import work_id
 from shared.timeline import with_mark
@@ -61,7 +62,7 @@ class StageWorker(Worker):
             out = await self.plugin.process(task)
             meta = with_mark(msgspec.structs.replace(out.meta, headers=carry or out.meta.headers), f"{self.stage}.done")
             await self.bus.publish_work(self.protocol.after_stage(self.name), msgspec.structs.replace(out, meta=meta),
-                                        work_id(meta))
+                                        work_id(meta), headers=task_headers(meta.deadline_at))
         await item.ack()
 
 

@@ -26,6 +26,7 @@ from services.common.model import servable_model_folder
 from services.common.runtime import Worker, main
 from services.tokenizer.prompts import PromptProcessor, model_limits
 from services.tokenizer.router import Router
+from shared.deadline import is_expired, task_headers
 from shared.hashing import block_hashes, hash_extra, num_reusable_blocks
 from shared.kv import block_key, open_store
 from shared.messages import Abort, Accepted, DecodeTask, Heartbeat, PrefillTask, TokenizeTask
@@ -74,7 +75,13 @@ class TokenizerWorker(Worker):
             await item.ack()
             return "dropped"
         with span("tokenizer", meta.headers, request_id=meta.request_id) as carry:
-            ids = await asyncio.to_thread(self.processor.tokenize, task)
+            # the thread pool runs a few prompts at a time: one queued behind others whose client
+            # left meanwhile is not tokenized at all
+            ids = await asyncio.to_thread(self._tokenize_if_wanted, task)
+            if ids is None or self.cancel_reason(meta) is not None:
+                self.count_cancelled(self.cancel_reason(meta) or "cancelled", "queued" if ids is None else "running")
+                await item.ack()
+                return "dropped" if ids is None else "aborted"
             max_tokens = self.processor.max_tokens_for(len(ids), task.sampling.max_tokens, task.max_tokens_is_default,
                                                        param="prompt" if task.messages is None else "messages")
             sampling = task.sampling
@@ -86,14 +93,25 @@ class TokenizerWorker(Worker):
             meta = with_mark(msgspec.structs.replace(meta, headers=carry or meta.headers), "tokenizer.published")
             if target == "remote":
                 task_out = PrefillTask(meta=meta, sampling=sampling, prompt_token_ids=ids, block_hashes=hashes)
-                await self.bus.publish_work(self.protocol.prefill, task_out, work_id(meta))
+                await self.bus.publish_work(self.protocol.prefill, task_out, work_id(meta),
+                                            headers=task_headers(meta.deadline_at))
             else:
                 task_out = DecodeTask(meta=meta, sampling=sampling, prompt_token_ids=ids, output_token_ids=[],
                                       block_hashes=hashes, route=reason)
-                await self.bus.publish_work(self.protocol.decode, task_out, work_id(meta))
+                await self.bus.publish_work(self.protocol.decode, task_out, work_id(meta),
+                                            headers=task_headers(meta.deadline_at))
         await self.publish(meta.reply_to, Accepted(request_id=meta.request_id, num_prompt_tokens=len(ids),
                                                    max_tokens=max_tokens))
         await item.ack()
+
+    def _tokenize_if_wanted(self, task: TokenizeTask) -> list[int] | None:
+        """The prompt's token ids, or None without tokenizing when its request was cancelled or
+        expired while it waited for a thread (runs in a worker thread: reads the cancel set
+        without expiring it)."""
+        meta = task.meta
+        if self.aborted.has(meta.request_id) or is_expired(meta.deadline_at):
+            return None
+        return self.processor.tokenize(task)
 
     async def route(self, request_id: str, ids: list[int], hashes: list[bytes]) -> tuple[str, str]:
         """("remote" | "local", reason): where the prompt is prefilled (``PD_ROUTING``)."""
@@ -127,7 +145,7 @@ class TokenizerWorker(Worker):
         return run * self.settings.block_size
 
     async def on_abort(self, abort: Abort) -> None:
-        pass  # tasks check the aborted set when they start; tokenizing is too short to cut
+        pass  # tasks check the cancel set before and after tokenizing; one prompt is too short to cut
 
 
 def main_entry() -> None:

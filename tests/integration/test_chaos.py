@@ -73,3 +73,23 @@ def test_overload_ends_every_request_in_time_and_refuses_the_excess(tiny_model_d
     assert o["completed"] > 0 and o["refused_503"] > 0, report
     assert o["completed"] + o["refused_503"] + o["typed_errors"] == o["sent"], report
     assert o["ttft_max_s"] < o["deadline_s"], report
+
+
+def test_cancellation_storm_leaves_nothing_and_the_probe_is_answered(tiny_model_dir, tmp_path):
+    """A small storm on the tiny model (issue 30): every stream is dropped by its client, the
+    probe after the last drop is answered, each stage counted the cancelled work, and nothing
+    is left staged, held in a pool, or held as a request. (The latency target is the real
+    model's, reported by ``pdserve chaos --scenarios storm``.)"""
+    from loadtest.chaos_storm import StormRow, format_storm
+
+    (row,) = run_chaos(str(tiny_model_dir), requests=4, concurrency=2, max_tokens=16, scenarios=["storm"],
+                       interval_s=2.0, quiet=True, workdir=tmp_path, storm_streams=12, storm_prompt_tokens=600,
+                       storm_max_tokens=300)
+    report = format_storm([row])
+    print(report)
+    assert isinstance(row, StormRow)
+    assert row.cancelled_clients == 12 and not row.other_outcomes, report
+    assert row.probe_ok, report
+    assert sum(row.dropped_by_stage.values()) >= 12, report  # each request's work was stopped somewhere
+    assert row.chunks_after_cancel <= row.streams, report  # at most the chunk in progress, per request
+    assert row.staged_bytes == 0 and row.blocks_held == 0 and row.requests_held == 0 and row.ledger_entries == 0, report

@@ -395,7 +395,7 @@ def test_request_timeout_ends_a_request_that_streams_past_its_deadline(tiny_mode
 
     app, fake = make(tiny_model_dir, slow, request_timeout_s=1.0)
     resp, elapsed = run(go(app))
-    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout", resp.text
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded", resp.text
     assert "deadline" in resp.json()["error"]["message"]
     task = fake.submitted[0]
     assert abs(task.meta.deadline_at - task.meta.created_at - 1.0) < 1e-6  # the setting became the deadline
