@@ -1,6 +1,7 @@
 """Cancellation and deadlines on a real deployment (issue 30; the session's tiny-model
 pipeline of conftest.py): a stream its client drops is stopped in the workers and releases
-everything; a request's own deadline (``X-Request-Timeout``) ends it with a 504
+everything; a request's own deadline (``X-Request-Timeout``) it cannot meet is refused up front (503
+``deadline_unreachable``) once admission knows the stages' rates, or ends it with a 504
 ``deadline_exceeded`` and stops its work there too."""
 
 from __future__ import annotations
@@ -53,14 +54,27 @@ def test_a_stream_its_client_drops_is_stopped_and_released(client, pipeline):
 
 
 def test_request_timeout_header_ends_it_with_deadline_exceeded_everywhere(client, pipeline):
+    """A 0.3 s deadline for 700 tokens cannot be met. Once the gateway knows the stages' rates
+    (any earlier request in the shared deployment measured them) admission refuses it up front:
+    503 ``deadline_unreachable`` with Retry-After and nothing computed. Before that, it is
+    admitted and the deadline ends it: 504 ``deadline_exceeded``, its work stopped in the stages.
+    Either way it ends within the deadline's order of time, not the 700 tokens', and nothing is
+    held afterwards."""
     before, _, _ = worker_state(pipeline)
     started = time.monotonic()
     resp = client.post("/v1/chat/completions", json=chat_body("Count to a thousand", max_tokens=700, ignore_eos=True),
                        headers={"X-Request-Timeout": "0.3"})
     elapsed = time.monotonic() - started
-    assert resp.status_code == 504, resp.text
-    assert resp.json()["error"]["code"] == "deadline_exceeded"
     assert elapsed < 20, elapsed  # the deadline, not the 700 tokens
-    cancelled, held, blocks = settled(pipeline, before)
-    assert cancelled > before, "no stage stopped the expired request's work"
-    assert held == 0 and blocks == 0, (held, blocks)
+    error = resp.json()["error"]
+    if resp.status_code == 503:
+        assert error["type"] == "overloaded" and error["code"] == "deadline_unreachable", resp.text
+        assert float(resp.headers["Retry-After"]) >= 1
+        cancelled, held, blocks = worker_state(pipeline)
+        assert cancelled == before and held == 0 and blocks == 0, (cancelled, before, held, blocks)
+    else:
+        assert resp.status_code == 504, resp.text
+        assert error["code"] == "deadline_exceeded"
+        cancelled, held, blocks = settled(pipeline, before)
+        assert cancelled > before, "no stage stopped the expired request's work"
+        assert held == 0 and blocks == 0, (held, blocks)
