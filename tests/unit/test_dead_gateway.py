@@ -40,12 +40,20 @@ def test_work_of_a_gateway_that_died_is_dropped(tiny_model_dir):
         settings = Settings.from_env({}, model=str(tiny_model_dir), namespace=f"dead{uuid.uuid4().hex[:8]}",
                                      instance_id="", heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0,
                                      first_token_timeout_s=2.0, stall_timeout_s=2.0, kv_store="shm",
-                                     kv_cache_memory_bytes=16 << 20, dtype="float32")
+                                     kv_cache_memory_bytes=16 << 20, dtype="float32",
+                                     speculative_method="off")  # one token per (paced) step
         bus = DroppingBus(lambda subject, message: False)
         workers = [cls(settings, bus=bus) for cls in (TokenizerWorker, PrefillWorker, DecodeWorker, PostfilterWorker)]
         decode = workers[2]
         for w in workers:
             await w.start()
+        real_step = decode.engine.step
+
+        def paced_step():  # at most ~100 steps/s: the 900 tokens outlast the ~3 s a death takes to
+            time.sleep(0.01)  # confirm on any CPU (a fast one decoded them all before it)
+            return real_step()
+
+        decode.engine.step = paced_step
         gateway = PipelineClient(settings, bus=bus)
         await gateway.start()
         try:
