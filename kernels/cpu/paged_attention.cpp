@@ -212,6 +212,27 @@ inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t widt
 }
 
 
+// n rows of `width` elements (`row` apart) of one KV block as float32: a float32 cache is read
+// in place (stride = row); bf16 rows are widened into dst (stride = width). bf16 is the top
+// half of a float32: widen and shift (vectorizes, unlike the element-wise conversion operator).
+template <typename KV>
+inline const float* block_rows_f32(const KV* base, int64_t n, int64_t row, int64_t width, float* dst,
+                                   int64_t& stride) {
+  if constexpr (std::is_same_v<KV, float>) {
+    stride = row;
+    return base;
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(base + j * row);
+      uint32_t* d = reinterpret_cast<uint32_t*>(dst + j * width);
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+    }
+    stride = width;
+    return dst;
+  }
+}
+
 // DC: head_dim known at compile time (64, 128), so the per-head loops unroll fully and the
 // accumulators stay in registers; DC = 0 takes head_dim at run time.
 template <typename KV, int64_t DC>
@@ -259,23 +280,8 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
       }
       // A block's rows of this item's KV heads as float32: fp32 caches are read in place
       // (row stride `row`); bf16 rows are widened into blk_f (row stride `width`).
-      auto block_rows = [&](const KV* base, int64_t n, int64_t& stride) -> const float* {
-        if constexpr (std::is_same_v<KV, float>) {
-          stride = row;
-          return base;
-        } else {
-          float* dst = blk_f.data();
-          for (int64_t j = 0; j < n; ++j) {
-            // bf16 is the top half of a float32: widen and shift (vectorizes, unlike the
-            // element-wise conversion operator)
-            const uint16_t* src = reinterpret_cast<const uint16_t*>(base + j * row);
-            uint32_t* d = reinterpret_cast<uint32_t*>(dst + j * width);
-#pragma omp simd
-            for (int64_t i = 0; i < width; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
-          }
-          stride = width;
-          return dst;
-        }
+      auto block_rows = [&](const KV* base, int64_t n, int64_t& stride) {
+        return block_rows_f32(base, n, row, width, blk_f.data(), stride);
       };
       // Walk the sequence's blocks of one cache (K or V): for each block and query head h,
       // fn(h, rows of h's KV head, row stride, first token, tokens in the block). The next
@@ -382,21 +388,8 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
           float* dst = qs.data() + (r * group + h) * D;
           for (int64_t i = 0; i < D; ++i) dst[i] = qh[i] * s;
         }
-      auto block_rows = [&](const KV* base, int64_t nb, int64_t& stride) -> const float* {
-        if constexpr (std::is_same_v<KV, float>) {
-          stride = row;
-          return base;
-        } else {
-          float* dst = blk_f.data();
-          for (int64_t j = 0; j < nb; ++j) {
-            const uint16_t* src = reinterpret_cast<const uint16_t*>(base + j * row);
-            uint32_t* d = reinterpret_cast<uint32_t*>(dst + j * D);
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
-          }
-          stride = D;
-          return dst;
-        }
+      auto block_rows = [&](const KV* base, int64_t nb, int64_t& stride) {
+        return block_rows_f32(base, nb, row, D, blk_f.data(), stride);
       };
       // fn(r, h, rows, stride, t0, tokens of the block query r sees) for every query of the
       // tile whose context reaches the block, blocks in order
