@@ -62,3 +62,28 @@ def metric_value(port: int, name: str, labels: str = "") -> float:
     from shared.observe import scrape_metric
 
     return scrape_metric(port, name, labels)
+
+
+class DecodeKiller:
+    """An ``on_chunk`` callback for a streamed request: at chunk ``at`` it SIGKILLs the one decode
+    worker holding KV blocks (the one the request decodes on; asserts there is exactly one).
+    ``decoders``: decode worker name -> metrics port, read once from the heartbeats;
+    ``killed``: the killed :class:`services.deployment.Proc`, once it happened."""
+
+    def __init__(self, dep, at: int):
+        self.dep, self.at = dep, at
+        self.decoders = {h.instance_id.rsplit("-", 1)[0]: h.metrics_port
+                         for h in heartbeats(dep.settings).values() if h.stage == "decode"}
+        self.killed: list = []
+
+    def __call__(self, n: int) -> None:
+        import os
+        import signal
+
+        if n != self.at:
+            return
+        busy = [name for name, port in self.decoders.items() if metric_value(port, "pd_decode_kv_blocks_used") > 0]
+        assert len(busy) == 1, busy
+        victim = next(p for p in self.dep.procs if p.name == busy[0])
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        self.killed.append(victim)

@@ -14,7 +14,6 @@ and the two answers — tokens as text, logprobs and top_logprobs — must be id
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 import uuid
@@ -24,8 +23,8 @@ import pytest
 
 from loadtest.bench_spec import COPY_HEAVY
 from services import launcher
-from tests.integration.test_batch_invariance_pipeline import proc, routes, routes_of
-from tests.pipeline_fixture import deployment, heartbeats, metric_value
+from tests.integration.test_batch_invariance_pipeline import routes, routes_of
+from tests.pipeline_fixture import DecodeKiller, deployment, heartbeats, metric_value
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -112,20 +111,9 @@ def test_smollm2_speculation_never_changes_the_answer(tmp_path, nats_url):
             json.loads(json_answer[0][0])
             # --- a decode worker killed mid-stream: resumed on the other, the same answer
             undisturbed = streamed(client, {**LONG, "speculative": False})
-            decoders = {h.instance_id.rsplit("-", 1)[0]: h.metrics_port
-                        for h in heartbeats(dep.settings).values() if h.stage == "decode"}
-            killed = []
-
-            def kill_the_one_decoding(n: int) -> None:
-                if n == 3:
-                    busy = [name for name, port in decoders.items() if metric_value(port, "pd_decode_kv_blocks_used") > 0]
-                    assert len(busy) == 1, busy
-                    victim = proc(dep, busy[0])
-                    os.kill(victim.popen.pid, signal.SIGKILL)
-                    killed.append(victim)
-
-            assert streamed(client, LONG, on_chunk=kill_the_one_decoding) == undisturbed
-            assert killed and killed[0].popen.wait(10) == -signal.SIGKILL
+            killer = DecodeKiller(dep, at=3)
+            assert streamed(client, LONG, on_chunk=killer) == undisturbed
+            assert killer.killed and killer.killed[0].popen.wait(10) == -signal.SIGKILL
             # --- aggregated routing: the decode worker prefills the prompt itself
             assert routes(dep, "remote") > 0
             i = next(k for k, p in enumerate(dep.procs) if p.name == "tokenizer-0")

@@ -15,7 +15,6 @@ run undisturbed and alone:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 import uuid
@@ -25,7 +24,7 @@ import httpx
 import pytest
 
 from services import launcher
-from tests.pipeline_fixture import deployment, heartbeats, metric_value
+from tests.pipeline_fixture import DecodeKiller, deployment, heartbeats, metric_value
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,10 +75,6 @@ def stream_completion(client: httpx.Client, body: dict, on_chunk=None) -> str:
     return text
 
 
-def proc(dep, name: str):
-    return next(p for p in dep.procs if p.name == name)
-
-
 def routes_of(heartbeat, target: str) -> float:
     return metric_value(heartbeat.metrics_port, "pd_router_decisions_total", f'target="{target}"')
 
@@ -118,21 +113,10 @@ def same_request_same_tokens(dep, model: str) -> None:
         assert [chat(client, chat_body, stream=s) for s in (True, False, True)] == [greedy] * 3
         # --- the undisturbed long stream, then the same with its decode worker killed mid-stream
         undisturbed = stream_completion(client, long_body)
-        decoders = {h.instance_id.rsplit("-", 1)[0]: h.metrics_port
-                    for h in heartbeats(dep.settings).values() if h.stage == "decode"}
-        assert sorted(decoders) == ["decode-0", "decode-1"]
-        killed = []
-
-        def kill_the_one_decoding(n: int) -> None:
-            if n == 5:
-                busy = [name for name, port in decoders.items() if metric_value(port, "pd_decode_kv_blocks_used") > 0]
-                assert len(busy) == 1, busy
-                victim = proc(dep, busy[0])
-                os.kill(victim.popen.pid, signal.SIGKILL)
-                killed.append(victim)
-
-        resumed = stream_completion(client, long_body, on_chunk=kill_the_one_decoding)
-        assert killed and killed[0].popen.wait(10) == -signal.SIGKILL
+        killer = DecodeKiller(dep, at=5)
+        assert sorted(killer.decoders) == ["decode-0", "decode-1"]
+        resumed = stream_completion(client, long_body, on_chunk=killer)
+        assert killer.killed and killer.killed[0].popen.wait(10) == -signal.SIGKILL
         assert resumed == undisturbed
         # --- aggregated: the tokenizer restarted with PD_ROUTING=aggregated sends every prompt to
         # a decode worker, which prefills it itself (the prefill worker stays up, unused)
