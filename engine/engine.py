@@ -76,7 +76,7 @@ class LLMEngine:
         self.speculator = None
         if config.speculative.enabled:
             if self.runner.is_batch_invariant:
-                self.speculator = Speculator(config.speculative, self.max_model_len)
+                self.speculator = Speculator(config.speculative, self.max_model_len, mc.vocab_size, self.dtype)
             else:
                 from shared.logging import get_logger
 
@@ -313,6 +313,8 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return seq
 
     # --- the loop -------------------------------------------------------------------------
@@ -404,6 +406,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         self.sequences.pop(seq.request_id, None)
         self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
 
     def export_prompt_kv(self, seq: Sequence) -> PromptKV:
         """Copy the KV of ``seq``'s prompt out of the pool (call before its blocks are freed)."""

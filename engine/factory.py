@@ -42,6 +42,7 @@ def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> Engin
             ngram_max=settings.speculative_ngram_max,
             max_batch=settings.speculative_max_batch,
             min_acceptance=settings.speculative_min_acceptance,
+            draft_model=settings.speculative_draft_model,
         ),
     )
 

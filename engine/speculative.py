@@ -22,6 +22,15 @@ proposer (``vllm/v1/spec_decode/ngram_proposer.py``: the longest suffix match be
 minimum and maximum n); this module is written from those descriptions. It pays on outputs
 that copy their input: editing or summarising a given text, code edits, RAG answers.
 
+Or a draft model (:class:`DraftModelProposer`, ``method="draft"``): any local Hugging Face model
+folder whose vocabulary is the target's (a smaller model of the same family: SmolLM2-135M for
+SmolLM2-1.7B, Qwen2.5-0.5B for Qwen2.5-7B) drafts greedily, one token per forward, with a KV
+cache of its own per sequence that is cut back to what verification kept (the draft-model
+speculative decoding of Leviathan et al., 2023, with the exact verification above in place of
+their rejection sampling). It pays where the draft model is much cheaper per token than the
+target and agrees with it often; on the default 135M model there is no smaller sibling, so
+prompt lookup is the default.
+
 When not to (:class:`Speculator`; the measurements behind the defaults are in
 docs/decisions.md):
 
@@ -44,7 +53,7 @@ import numpy as np
 
 from engine.sequence import Sequence
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
 #: Draft tokens over which a sequence's acceptance rate is judged.
 ACCEPTANCE_WINDOW = 16
 #: Output tokens a sequence with a low acceptance rate decodes without drafts, the first time.
@@ -58,11 +67,12 @@ class SpeculativeConfig:
     """How an engine speculates (``PD_SPECULATIVE_*`` settings).
 
     Attributes:
-        method: ``off`` or ``ngram`` (prompt lookup).
+        method: ``off``, ``ngram`` (prompt lookup) or ``draft`` (a draft model).
         num_tokens: most draft tokens per sequence per step.
         ngram_min, ngram_max: n-gram sizes looked up, longest first.
         max_batch: most decoding sequences in a step for which drafts are made (0: no limit).
         min_acceptance: acceptance rate below which a sequence pauses drafting.
+        draft_model: the draft model's local folder (``method="draft"`` only).
     """
 
     method: str = "off"
@@ -71,10 +81,13 @@ class SpeculativeConfig:
     ngram_max: int = 4
     max_batch: int = 4
     min_acceptance: float = 0.3
+    draft_model: str = ""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, not {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model folder (PD_SPECULATIVE_DRAFT_MODEL)")
         if self.num_tokens < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("speculative num_tokens must be >= 1 and 1 <= ngram_min <= ngram_max")
 
@@ -115,6 +128,83 @@ class NgramProposer:
         return []
 
 
+class DraftModelProposer:
+    """Greedy drafts from a smaller model that shares the target's tokenizer.
+
+    Each sequence (by request id) keeps a KV cache of the draft model (``transformers``'
+    ``DynamicCache``) and the tokens it covers. A call cuts the cache back to the longest prefix
+    it shares with the sequence's tokens now (what verification rejected goes; a preempted or
+    resumed sequence keeps it), runs the new tokens through the draft model in one forward, then
+    drafts one token per forward. The first call for a sequence runs its whole prompt through
+    the draft model (a prefill of the draft's size on the decode worker).
+
+    Args:
+        folder: a local Hugging Face model folder (``config.json`` and weights).
+        vocab_size: the target's vocabulary size; the draft's must equal it (the same token ids).
+        dtype: the draft model's dtype (the engine's).
+
+    Raises:
+        ValueError: not a model folder, or a vocabulary of another size.
+    """
+
+    def __init__(self, folder: str, vocab_size: int, dtype=None):
+        from pathlib import Path
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        path = Path(folder).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"speculative draft model {folder!r} is not a local model folder (no config.json)")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
+        if self.model.config.vocab_size != vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {self.model.config.vocab_size} tokens, the "
+                             f"target's {vocab_size}: a draft model must share the target's tokenizer")
+        self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        #: request id → (the draft model's cache, the tokens whose KV it holds)
+        self.caches: dict[str, tuple[object, list[int]]] = {}
+
+    def propose(self, key: str, token_ids: Seq[int], num_draft: int) -> list[int]:
+        """Up to ``num_draft`` greedy draft tokens to follow ``token_ids`` (none past the draft
+        model's context)."""
+        import torch
+        from transformers import DynamicCache
+
+        total = len(token_ids)
+        num_draft = min(num_draft, self.max_len - total)
+        if num_draft <= 0 or total == 0:
+            return []
+        cache, seen = self.caches.get(key) or (DynamicCache(), [])
+        keep = 0
+        limit = min(len(seen), total - 1)  # at least one token is fed: its logits give the first draft
+        while keep < limit and seen[keep] == token_ids[keep]:
+            keep += 1
+        if keep < len(seen):
+            if keep == 0:
+                cache = DynamicCache()
+            else:  # transformers 5 crops by a negative count: the tokens to remove
+                cache.crop(keep - len(seen))
+            del seen[keep:]
+        drafts: list[int] = []
+        with torch.inference_mode():
+            feed = list(token_ids[keep:])
+            while True:
+                out = self.model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True)
+                seen.extend(feed)
+                drafts.append(int(out.logits[0, -1].argmax()))
+                if len(drafts) == num_draft:
+                    break
+                feed = drafts[-1:]
+        self.caches[key] = (cache, seen)
+        return drafts
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the caches of every sequence not in ``keep`` (finished, aborted, preempted)."""
+        alive = set(keep)
+        for k in [k for k in self.caches if k not in alive]:
+            del self.caches[k]
+
+
 def num_accepted(draft_token_ids: Seq[int], picked_token_ids: Seq[int]) -> int:
     """How many leading drafts equal the target's picks at their positions (``picked[i]`` is the
     token sampled at the position of ``draft[i]``; ``len(picked) == len(draft) + 1``). The step
@@ -133,19 +223,28 @@ class Speculator:
     Args:
         config: the settings.
         max_model_len: the engine's context length (drafts never pass it).
+        vocab_size, dtype: the target's (a draft model is checked against them and run in it).
+
+    Raises:
+        ValueError: a draft model that cannot draft for this target (:class:`DraftModelProposer`).
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int = 0, dtype=None):
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.draft_model = (DraftModelProposer(config.draft_model, vocab_size, dtype)
+                            if config.method == "draft" else None)
 
     def propose(self, running: Iterable[Sequence]) -> int:
         """Set ``draft_token_ids`` of every sequence in ``running`` (empty for those not drafting
         this step); returns the number of sequences with drafts."""
+        running = list(running)
         decoding = [s for s in running if _is_decoding(s)]
         for seq in running:
             seq.draft_token_ids = []
+        if self.draft_model is not None:
+            self.draft_model.forget(s.request_id for s in running)
         if self.config.max_batch and len(decoding) > self.config.max_batch:
             return 0
         count = 0
@@ -155,13 +254,19 @@ class Speculator:
             room = min(self.draft_length(seq),
                        seq.sampling.max_tokens - seq.num_output_tokens - 1,  # the pick after them
                        self.max_model_len - seq.num_tokens)  # positions of the drafts' KV
-            draft = self.proposer.propose(seq.token_ids, room)
+            draft = (self.draft_model.propose(seq.request_id, seq.token_ids, room) if self.draft_model is not None
+                     else self.proposer.propose(seq.token_ids, room))
             if draft and seq.matcher is not None:  # drafts the grammar forbids would be rejected anyway
                 draft = draft[: seq.matcher.validate_tokens(draft)]
             if draft:
                 seq.draft_token_ids = draft
                 count += 1
         return count
+
+    def release(self, request_id: str) -> None:
+        """A sequence finished or was aborted: its draft model cache (if any) goes now."""
+        if self.draft_model is not None:
+            self.draft_model.caches.pop(request_id, None)
 
     def draft_length(self, seq: Sequence) -> int:
         """Drafts to ask for: ``seq.spec_draft_length`` once verified (see :meth:`record`), else

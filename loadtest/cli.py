@@ -14,10 +14,10 @@ import sys
 #: The component experiments (one kernel or one cost alone) live in ``loadtest/experiments/``.
 BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench_engine", "modes": "bench_modes",
               "http": "bench_http", "itl": "bench_itl", "load": "loadgen", "gpu": "bench_gpu",
-              "sim-validate": "sim_validate", "cancel": "bench_cancel",
+              "sim-validate": "sim_oos", "sim-fit-replay": "sim_validate", "cancel": "bench_cancel",
               "invariant": "experiments.bench_invariant", "block-kernel": "experiments.bench_block_kernel",
               "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar",
-              "spec": "bench_spec"}
+              "spec": "bench_spec", "cores": "bench_cores"}
 
 
 def bench(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """Simulated against measured: the modes benchmark's workload (``loadtest/bench_modes.py``)
 served for real by each mode and replayed in the simulator, in one script.
 
-``pdserve bench sim-validate [--requests 60] [--rate 0.5] [--modes ...] [--crossover 128]
+``pdserve bench sim-fit-replay [--requests 60] [--rate 0.5] [--modes ...] [--crossover 128]
 [--profile FILE] [--out DIR] [--measured DIR]``
 
 1. Unless ``--profile`` is given, a fresh ``pdserve profile --quick`` of the model in
@@ -216,7 +216,7 @@ def table(rows: list[dict], tolerance: float = 0.15) -> str:
 def main(argv: list[str] | None = None) -> int:
     from shared.config import Settings
 
-    p = argparse.ArgumentParser(prog="pdserve bench sim-validate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pdserve bench sim-fit-replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--rate", type=float, default=0.5)
     p.add_argument("--short", type=int, default=96)

@@ -93,3 +93,27 @@ def synthetic(n: int, rate_per_s: float, prompt_lengths: list[tuple[int, float]]
                                  tag=f"prompt={length}"))
         t += rng.gammavariate(shape, 1.0 / (rate_per_s * shape))
     return specs
+
+
+def from_sim(reqs, seed: int = 0, vocab_size: int | None = None, chat: bool = False) -> list[RequestSpec]:
+    """The token lists a measured run sends for simulator requests (:class:`sim.trace.SimRequest`):
+    each hash id becomes a fixed segment of ``segment_tokens`` random token ids (the same id, the
+    same tokens: equal prefixes shared token for token, as the simulator's block hashes are);
+    a request without hash ids gets a prompt of its own. ``seed`` picks the token content only:
+    two seeds give the same lengths and arrivals with nothing shared between them (a repeat of a
+    workload on a deployment whose prefix cache holds the previous one)."""
+    segments: dict[int, list[int]] = {}
+    specs = []
+    for r in reqs:
+        if r.hash_ids is None:
+            prompt = random_tokens(random.Random(seed * 1_000_003 + 7 * r.idx + 1), r.prompt_tokens, vocab_size)
+        else:
+            prompt = []
+            for h in r.hash_ids:
+                if h not in segments:
+                    segments[h] = random_tokens(random.Random(seed * 1_000_003 - h - 1), r.segment_tokens, vocab_size)
+                prompt.extend(segments[h])
+            prompt = prompt[:r.prompt_tokens]
+        specs.append(RequestSpec(send_at=r.arrival_s, prompt=prompt, max_tokens=r.max_tokens, chat=chat,
+                                 tag=f"prompt={r.prompt_tokens}"))
+    return specs

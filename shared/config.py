@@ -71,6 +71,13 @@ class Settings:
         "left to the other services); a worker started alone uses torch's default.",
         default=0,
     )
+    core_share: bool = _doc(
+        "A prefill worker takes the cores of its host's idle decode workers: before each step it runs "
+        "its own torch threads plus those of every decode worker on the host with nothing to decode, "
+        "at most its CPUs (the kernels give the same bits at any thread count; docs/decisions.md, "
+        "\"Cores where the work is\"). false = each worker keeps its PD_TORCH_THREADS.",
+        default=True,
+    )
     cpu_affinity: str = _doc(
         "CPUs a model worker is pinned to, e.g. \"0\" or \"0-3\"; empty = any.", default=""
     )
@@ -145,9 +152,9 @@ class Settings:
 
     # --- speculative decoding (engine/speculative.py) ---------------------------------------
     speculative_method: str = _doc(
-        "Speculative decoding on decode workers: off, or ngram (prompt lookup: the continuation of the "
-        "last n tokens' most recent earlier occurrence is drafted, and the target model verifies the "
-        "drafts in one step). Tokens and logprobs are bit-identical with it and without it (greedy and "
+        "Speculative decoding on decode workers: off, ngram (prompt lookup: the continuation of the "
+        "last n tokens' most recent earlier occurrence is drafted) or draft (a smaller model drafts: "
+        "PD_SPECULATIVE_DRAFT_MODEL); the target model verifies the drafts in one step. Tokens and logprobs are bit-identical with it and without it (greedy and "
         "seeded sampling; needs PD_BATCH_INVARIANT on a CPU, else it stays off). A request opts out "
         "with \"speculative\": false.",
         default="ngram",
@@ -166,6 +173,12 @@ class Settings:
         "A sequence whose drafts are accepted less often than this (over its last 16 draft tokens) "
         "pauses drafting for 16 output tokens, doubling up to 256 each time it fails again.",
         default=0.3,
+    )
+    speculative_draft_model: str = _doc(
+        "The draft model of PD_SPECULATIVE_METHOD=draft: a local Hugging Face model folder with the "
+        "target's vocabulary (a smaller model of the same family); it drafts greedily with a KV cache of "
+        "its own per sequence, and the target verifies as with ngram (the same tokens as without it).",
+        default="",
     )
 
     # --- routing ------------------------------------------------------------------------

@@ -382,8 +382,9 @@ def write_md(data: dict, path: Path, command: str) -> None:
              f"{st['made_at']}, in {data['wall_s']:.0f} s; raw numbers in `scale.json` (a test refuses it once a "
              "profile or the simulator's code changes: rerun the command), plot `scale.png`.", "",
              "**Simulated, not measured.** The profiles are built from published A100 figures (`sim/cited.py`, "
-             "`docs/profiles/README.md`); the simulator's out-of-sample error against measured runs is **not "
-             "validated** (issue 34's validation is still to do), so read the map as the model's prediction.", "",
+             "`docs/profiles/README.md`); the simulator's out-of-sample error was measured only against "
+             "CPU deployments of the development machine (`pdserve bench sim-validate`, docs/sim-validation.md), "
+             "**never against a GPU run**, so read the map as the model's prediction.", "",
              f"* Hardware: {se['workers']} model workers in every mode (equal hardware; a worker is the profile's "
              "GPUs: 1 A100 for the 7B, 4 for the 70B profiles); KV hand-off over the workers' InfiniBand links "
              "(the cited profiles' `network` store: a FIFO per sending link), decode import free on the engine "

@@ -150,6 +150,44 @@ def synthetic(n: int, rate_per_s: float, prompt_lengths: list[tuple[int, float]]
     return out
 
 
+def shared_prefix(n: int, rate_per_s: float, groups: int = 4, system_tokens: int = 512,
+                  question_tokens: tuple[int, int] = (32, 160), long_tokens: int = 1536, long_share: float = 0.2,
+                  output_tokens: int = 48, seed: int = 0, segment_tokens: int = 32) -> list[SimRequest]:
+    """Poisson arrivals of two kinds of prompt: with probability ``1 - long_share`` one of
+    ``groups`` shared system prompts (``system_tokens``) followed by a question of its own
+    (``question_tokens``, uniform), else a ``long_tokens`` prompt shared with no one (a pasted
+    document). Every prompt is named by hash ids of ``segment_tokens`` segments (the system
+    prompt's ids shared by its group), so prefix caching meets the sharing and
+    :func:`loadtest.workloads.from_sim` builds the token lists a measured run sends.
+
+    The shape is that of SGLang's ``generated-shared-prefix`` benchmark dataset (groups of
+    questions behind one long system prompt, ``python -m sglang.bench_serving``), with
+    unshared long prompts mixed in so the prefill/decode split has something to separate.
+    With the defaults about half of all prompt tokens are prefix hits after the first of each
+    group (:func:`prefix_hit_share`).
+
+    Raises:
+        ValueError: ``system_tokens`` not a whole number of segments.
+    """
+    if system_tokens % segment_tokens:
+        raise ValueError(f"system_tokens={system_tokens} is not a multiple of segment_tokens={segment_tokens}")
+    rng = random.Random(seed)
+    per_system = system_tokens // segment_tokens
+    next_id = groups * per_system
+    t, out = 0.0, []
+    for i in range(n):
+        if rng.random() < long_share:
+            length, head = long_tokens, ()
+        else:
+            g = rng.randrange(groups)
+            length, head = system_tokens + rng.randint(*question_tokens), tuple(range(g * per_system, (g + 1) * per_system))
+        own = -(-(length - len(head) * segment_tokens) // segment_tokens)
+        out.append(SimRequest(i, t, length, output_tokens, head + tuple(range(next_id, next_id + own)), segment_tokens))
+        next_id += own
+        t += rng.expovariate(rate_per_s)
+    return out
+
+
 def rescale(reqs: list[SimRequest], rate_per_s: float) -> list[SimRequest]:
     """The same requests with arrival times stretched to a mean rate of ``rate_per_s``."""
     if len(reqs) < 2 or reqs[-1].arrival_s <= 0:

@@ -47,6 +47,10 @@ class EngineLoop:
             ``[start, seconds, [[chunk, context], ...], decode batch, decode context]``, start on
             the host's monotonic clock (``time.perf_counter``, comparable across its processes);
             the first line says who wrote it (``{"header": {...}}``). Written every second.
+        on_busy: called on the engine thread with True when work arrives after idling and False
+            when the engine runs out of work (:class:`services.common.core_share.DecodeBusy`).
+        before_step: called on the engine thread before each step
+            (:class:`services.common.core_share.PrefillThreads`).
     """
 
     def __init__(
@@ -58,6 +62,8 @@ class EngineLoop:
         metrics=None,
         step_log: str = "",
         header: dict | None = None,
+        on_busy: Callable[[bool], None] | None = None,
+        before_step: Callable[[], object] | None = None,
     ):
         self.engine = engine
         self.metrics = metrics
@@ -74,6 +80,7 @@ class EngineLoop:
         self.decode_step_s = 0.0
         self._spec_seen = (0, 0)  # engine.stats (num_draft_tokens, num_accepted_tokens) last reported
         self._log_path, self._log_at = step_log, 0.0
+        self.on_busy, self.before_step = on_busy, before_step
         if step_log:
             engine.step_log = []
             with open(step_log, "a") as f:
@@ -175,10 +182,17 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
         while not self._stop.is_set():
-            self._drain_calls(block=not engine.has_unfinished())
+            idle = not engine.has_unfinished()
+            if idle and self.on_busy is not None:
+                self.on_busy(False)
+            self._drain_calls(block=idle)
             self._report_pool()
             if self._stop.is_set() or not engine.has_unfinished():
                 continue
+            if self.on_busy is not None:
+                self.on_busy(True)
+            if self.before_step is not None:
+                self.before_step()
             started = time.perf_counter()
             try:
                 outputs = engine.step()

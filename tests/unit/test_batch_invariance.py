@@ -328,3 +328,32 @@ def test_long_prompt_chunked_at_tile_and_block_edges(bf16_model, monkeypatch):
     run(engine, [(0, "warm", prompt[:70], GREEDY)], monkeypatch)
     hit = run(engine, [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
     assert hit.cached > 0 and hit == whole
+
+
+def test_any_thread_count_gives_the_same_bits(bf16_model, monkeypatch):
+    """A prefill worker changes its torch threads between steps (services/common/core_share.py):
+    a long prompt and a seeded one give the same tokens and logits bytes at one thread, at two, and
+    with the count changing at every step (chunks of 64 and 97 tokens computed at different counts)."""
+    model, _ = bf16_model
+    long_prompt, short = prompts([200, 30], model.config.vocab_size, seed=12)
+    requests = [(0, "l", long_prompt, GREEDY), (1, "s", short, SEEDED)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(make_engine(model, max_prefill_chunk_tokens=64), requests, monkeypatch)
+        torch.set_num_threads(2)
+        two = run(make_engine(model, max_prefill_chunk_tokens=97), requests, monkeypatch)
+        engine = make_engine(model, max_prefill_chunk_tokens=64)
+        real_step, counts = engine.step, []
+
+        def flipping_step():
+            counts.append(1 + len(counts) % 2)
+            torch.set_num_threads(counts[-1])
+            return real_step()
+
+        engine.step = flipping_step
+        flipped = run(engine, requests, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    assert one == two == flipped
+    assert set(counts) == {1, 2} and len(one["l"].tokens) == GREEDY.max_tokens

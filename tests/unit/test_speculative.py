@@ -265,3 +265,74 @@ def test_the_request_timeline_shows_acceptance_and_tokens_per_step():
     assert got[0]["speculation"] == {"draft_tokens": 40, "accepted_tokens": 30, "acceptance_rate": 0.75,
                                      "tokens_per_step": 3.0}
     assert got[1]["speculation"] is None
+
+
+# --- the draft-model method ------------------------------------------------------------------
+
+def test_draft_model_gives_the_same_tokens_and_logprobs(model, tiny_model_dir):
+    """The tiny model's own float32 folder drafts for its bf16 (or Q4_1) serving: the draft agrees
+    with the target often but not always (another dtype and weight storage), and every token and
+    logprob is that of plain decoding, greedy and seeded, including under preemption."""
+    base_engine, base = reference(model)
+    spec = SpeculativeConfig(method="draft", num_tokens=4, max_batch=0, draft_model=str(tiny_model_dir))
+    engine = make_engine(model, spec)
+    assert engine.speculator.draft_model is not None
+    assert outputs(run(engine, PROMPTS, PARAMS)) == base
+    stats = engine.stats
+    assert stats.num_draft_tokens > 30 and stats.num_accepted_tokens > 0
+    assert stats.num_steps < base_engine.stats.num_steps  # accepted drafts saved steps
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.speculator.draft_model.caches == {}  # finished sequences' draft caches are dropped
+
+    prompts, params = PROMPTS * 2, PARAMS * 2
+    _, small = reference(model, prompts, params, num_kv_blocks=40)
+    engine = make_engine(model, spec, num_kv_blocks=40)
+    assert outputs(run(engine, prompts, params)) == small
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_disagreeing_draft_model_changes_nothing(model, tiny_model_dir, tmp_path):
+    """Another tiny model (other random weights, the same tokenizer) drafts tokens the target
+    rarely picks: the answer is still plain decoding's, and low acceptance pauses drafting."""
+    from tests.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    _, base = reference(model)
+    engine = make_engine(model, SpeculativeConfig(method="draft", num_tokens=4, max_batch=0, draft_model=str(other)))
+    got = outputs(run(engine, PROMPTS, PARAMS))
+    assert got == base
+    stats = engine.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < 0.5 * stats.num_draft_tokens
+
+
+def test_draft_cache_cut_back_drafts_as_a_fresh_one(tiny_model_dir):
+    """After a rejection the proposer's cache is cut to the tokens kept: its drafts then equal those
+    of a proposer that never saw the rejected ones, and it holds exactly the tokens it was fed."""
+    from transformers import AutoConfig
+
+    from engine.speculative import DraftModelProposer
+
+    vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    p, fresh = DraftModelProposer(str(tiny_model_dir), vocab), DraftModelProposer(str(tiny_model_dir), vocab)
+    tokens = list(range(30, 50))
+    first = p.propose("a", tokens, 5)
+    assert len(first) == 5
+    assert p.caches["a"][1] == tokens + first[:4]  # the last draft was never fed
+    kept = tokens + first[:2] + [(first[2] + 1) % vocab]  # two accepted, then the target's other pick
+    again = p.propose("a", kept, 3)
+    assert again == fresh.propose("b", kept, 3)
+    assert p.caches["a"][1] == kept + again[:2]
+    assert p.caches["a"][0].get_seq_length() == len(kept) + 2
+    p.forget(["x"])
+    assert p.caches == {}
+
+
+def test_draft_model_refused_when_it_cannot_draft(tmp_path, tiny_model_dir):
+    from engine.speculative import DraftModelProposer
+
+    with pytest.raises(ValueError, match="needs a draft model folder"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="not a local model folder"):
+        DraftModelProposer(str(tmp_path / "nothing"), 100)
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        DraftModelProposer(str(tiny_model_dir), 12345)

@@ -1,0 +1,130 @@
+"""Cores where the work is: a prefill worker takes the cores of its host's idle decode workers.
+
+On a small host ``pdserve up`` gives each model worker its share of the cores (on two cores: one
+prefill thread, one decode thread). A long prompt that arrives while nothing decodes then runs on
+one core while the other idles, and a decode worker that is busy must not lose its core to a
+prefill that oversubscribes it (every parallel region of its step would wait at a barrier for a
+descheduled thread: docs/decisions.md, "Threads per model worker"). So each decode worker
+publishes, in a small file on the host's tmpfs, whether it has sequences to decode and how many
+threads it runs; before each engine step a prefill worker sets its torch threads to its own share
+plus the threads of the decode workers of its host that are idle (or dead), never more than the
+CPUs it may run on. The kernels give bit-identical results at any thread count (each output
+column and each attention tile is computed by one thread in a fixed order:
+kernels/cpu/quant_block.h, kernels/cpu/paged_attention.cpp), so the answer does not depend on the
+number of threads a step ran with. The rule and its measurements: docs/decisions.md, "Cores where
+the work is".
+
+The files live in ``<PD_SHM_DIR>/pdserve-cores-<namespace>/`` (one per decode worker:
+``<instance>.json`` = ``{"pid", "threads", "busy"}``), so workers of one deployment on one host
+see each other and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+#: Seconds between two looks at the decode workers' files from a prefill worker (a step of a
+#: long prompt takes longer; a short one is not worth a look each).
+LOOK_EVERY_S = 0.01
+
+
+def share_dir(shm_dir: str, namespace: str) -> Path:
+    """The folder where a deployment's model workers on this host publish their state."""
+    return Path(shm_dir) / f"pdserve-cores-{namespace}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DecodeBusy:
+    """A decode worker's published state: busy (sequences to decode) or idle, and its threads.
+
+    Args:
+        folder: :func:`share_dir`.
+        instance: the worker's instance id (the file's name).
+        threads: the torch threads its steps run.
+    """
+
+    def __init__(self, folder: Path, instance: str, threads: int):
+        self.folder = folder
+        self.path = folder / f"{instance or os.getpid()}.json"
+        self.threads = threads
+        self.busy: bool | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+        self.set(False)
+
+    def set(self, busy: bool) -> None:
+        """Publish ``busy`` (a write only when it changes: at most twice per burst of work)."""
+        if busy == self.busy:
+            return
+        self.busy = busy
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "threads": self.threads, "busy": busy}))
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class PrefillThreads:
+    """A prefill worker's torch threads, step by step: ``base`` plus the threads of the host's
+    idle or dead decode workers, at most ``max_threads``.
+
+    Args:
+        folder: :func:`share_dir`.
+        base: the worker's own share (``PD_TORCH_THREADS``).
+        max_threads: the CPUs it may run on.
+        set_threads: applies a thread count (``torch.set_num_threads``).
+    """
+
+    def __init__(self, folder: Path, base: int, max_threads: int, set_threads=None):
+        import torch
+
+        self.folder = folder
+        self.base = max(1, base)
+        self.max_threads = max(self.base, max_threads)
+        self.set_threads = set_threads or torch.set_num_threads
+        self.current = self.base
+        self._looked = 0.0
+
+    def lent(self) -> int:
+        """Threads of decode workers on this host that are idle now (or whose process is gone)."""
+        total = 0
+        try:
+            names = os.listdir(self.folder)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            try:
+                state = json.loads((self.folder / name).read_text())
+            except (OSError, ValueError):
+                continue  # being replaced, or gone
+            if not _alive(int(state.get("pid", 0))):
+                (self.folder / name).unlink(missing_ok=True)  # its cores are free; a successor has a file of its own
+                total += int(state.get("threads", 0))
+            elif not state.get("busy"):
+                total += int(state.get("threads", 0))
+        return total
+
+    def before_step(self) -> int:
+        """Set the threads for the next step; returns them."""
+        now = time.monotonic()
+        if now - self._looked >= LOOK_EVERY_S:
+            self._looked = now
+            want = min(self.max_threads, self.base + self.lent())
+            if want != self.current:
+                self.set_threads(want)
+                self.current = want
+        return self.current

@@ -1,0 +1,103 @@
+"""Cores where the work is (services/common/core_share.py): a prefill worker's threads follow its
+host's decode workers — their threads lent while they idle or are dead, taken back while they
+decode — and a decode worker's engine loop publishes busy and idle at the right moments."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.common import core_share
+from services.common.core_share import DecodeBusy, PrefillThreads
+
+
+def _look(p: PrefillThreads) -> int:
+    p._looked = 0.0  # as if LOOK_EVERY_S had passed
+    return p.before_step()
+
+
+def test_prefill_threads_follow_the_decode_workers(tmp_path):
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    applied: list[int] = []
+    prefill = PrefillThreads(folder, base=1, max_threads=4, set_threads=applied.append)
+    assert _look(prefill) == 1 and applied == []  # no decode worker on this host: its own share
+    a, b = DecodeBusy(folder, "decode-0-aa", threads=1), DecodeBusy(folder, "decode-1-bb", threads=2)
+    assert _look(prefill) == 4 and applied == [4]  # both idle: 1 + 1 + 2
+    a.set(True)
+    assert _look(prefill) == 3
+    b.set(True)
+    assert _look(prefill) == 1
+    b.set(False)
+    assert _look(prefill) == 3 and applied == [4, 3, 1, 3]
+    capped = PrefillThreads(folder, base=1, max_threads=2, set_threads=applied.append)
+    assert _look(capped) == 2  # never more threads than its CPUs
+    a.close()
+    b.close()
+    assert _look(prefill) == 1 and os.listdir(folder) == []
+
+
+def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path):
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    folder.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (folder / "decode-0-dead.json").write_text(json.dumps({"pid": int(dead.stdout), "threads": 1, "busy": True}))
+    (folder / "decode-1-torn.json").write_text("{")  # being replaced: skipped, not fatal
+    prefill = PrefillThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
+    assert _look(prefill) == 2
+    assert not (folder / "decode-0-dead.json").exists()
+
+
+def test_looks_are_rate_limited(tmp_path):
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    prefill = PrefillThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
+    assert prefill.before_step() == 1
+    DecodeBusy(folder, "d", threads=1)
+    assert prefill.before_step() == 1  # within LOOK_EVERY_S of the last look
+    time.sleep(core_share.LOOK_EVERY_S * 2)
+    assert prefill.before_step() == 2
+
+
+def test_engine_loop_publishes_busy_while_it_has_work(tiny_model):
+    """The decode worker's hook: busy from the first step of a burst of work, idle once the engine has
+    nothing left; a look from a prefill worker meanwhile sees the decode worker's thread taken."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from services.common.engine_loop import EngineLoop
+    from shared.messages import SamplingParams
+
+    engine = LLMEngine(copy.deepcopy(tiny_model[0]), EngineConfig(model_id="tiny", block_size=4, num_kv_blocks=256), eos_token_ids=())
+    events: list[tuple[bool, bool]] = []
+
+    async def main():
+        done = asyncio.Event()
+        finished = []
+
+        def on_outputs(outs):
+            finished.extend(o for o in outs if o.finished)
+            if len(finished) == 2:
+                done.set()
+
+        loop = EngineLoop(engine, asyncio.get_running_loop(), on_outputs, lambda ids, exc: None,
+                          on_busy=lambda busy: events.append((busy, engine.has_unfinished())))
+        loop.start()
+        try:
+            await asyncio.sleep(0.05)
+            for rid in ("a", "b"):
+                await loop.call(lambda e, r=rid: e.add_request(r, [5, 6, 7, 8], SamplingParams(max_tokens=6)))
+            await asyncio.wait_for(done.wait(), 60)
+            await asyncio.sleep(0.05)
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
+    assert events[0] == (False, False)  # idle at the start
+    assert (True, True) in events  # busy while it had sequences
+    busy_at = events.index((True, True))
+    assert events[-1] == (False, False) and events.index((False, False), busy_at) > busy_at

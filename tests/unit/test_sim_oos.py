@@ -1,0 +1,94 @@
+"""The out-of-sample validation's pieces (loadtest/sim_oos.py): the prefix-reuse trace means the
+same sharing to the simulator and to the real prefix cache, a repeat shares nothing with another,
+the ranking and the error rows say what they claim, and SLO attainment counts per request."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loadtest import sim_oos
+from loadtest.workloads import from_sim
+from shared.hashing import block_hashes
+from sim import trace
+
+
+def _leading_shared(a: list[bytes], b: list[bytes]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_shared_prefix_trace_shares_the_same_blocks_in_the_simulator_and_in_real_tokens():
+    reqs = trace.shared_prefix(40, 1.0, seed=5)
+    specs = from_sim(reqs, seed=3, vocab_size=49152)
+    assert [len(s.prompt) for s in specs] == [r.prompt_tokens for r in reqs]
+    assert [s.send_at for s in specs] == [r.arrival_s for r in reqs]
+    real = [block_hashes(s.prompt, 16, b"") for s in specs]
+    sim = [r.block_hashes(16) for r in reqs]
+    pairs = 0
+    for i in range(len(reqs)):
+        for j in range(i):
+            shared = _leading_shared(real[i], real[j])
+            assert shared == _leading_shared(sim[i], sim[j]), (i, j)
+            pairs += shared == 512 // 16  # a system prompt in common, nothing more
+    assert pairs > 50
+    assert 0.3 < trace.prefix_hit_share(reqs) < 0.7
+    longs = [r for r in reqs if r.prompt_tokens == 1536]
+    assert 0 < len(longs) < len(reqs) / 2
+
+
+def test_another_seed_shares_no_block_with_the_first():
+    reqs = trace.shared_prefix(20, 1.0, seed=5)
+    a = {h for s in from_sim(reqs, seed=1, vocab_size=49152) for h in block_hashes(s.prompt, 16, b"")}
+    b = {h for s in from_sim(reqs, seed=2, vocab_size=49152) for h in block_hashes(s.prompt, 16, b"")}
+    assert a and b and not a & b
+
+
+def _summary(ttft: float, itl: float) -> dict:
+    return {"ttft": {q: ttft for q in sim_oos.QS}, "itl": {q: itl for q in sim_oos.QS},
+            "num_requests": 10, "num_ok": 10, "slo_attainment": 1.0}
+
+
+def test_ranking_and_rows():
+    measured = {"aggregated|mix|1|0": _summary(1.0, 0.020), "disaggregated|mix|1|0": _summary(2.0, 0.0101),
+                "conditional|mix|1|0": _summary(2.05, 0.010)}
+    predicted = {"aggregated|mix|1|0": _summary(1.5, 0.012), "disaggregated|mix|1|0": _summary(1.2, 0.011),
+                 "conditional|mix|1|0": _summary(3.0, 0.0105)}
+    ranks = sim_oos.ranking(measured, predicted, "aggregated|mix|1|0", tie=0.05)
+    by = {g["metric"]: g for g in ranks}
+    # TTFT: aggregated < disaggregated measured but not predicted (wrong); conditional vs
+    # disaggregated are within 5 % measured: a tie, right either way
+    assert by["ttft"]["pairs"] == [2, 3] and not by["ttft"]["right"]
+    # ITL: disaggregated and conditional tie; aggregated worst in both
+    assert by["itl"]["pairs"] == [3, 3] and by["itl"]["right"]
+    assert all(g["has_fit"] for g in ranks)
+    rows = sim_oos.rows(measured, predicted, "aggregated|mix|1|0")
+    assert len(rows) == 3 * 2 * 3
+    fit = [r for r in rows if r["fit"]]
+    assert {r["key"] for r in fit} == {"aggregated|mix|1|0"}
+    r = next(r for r in rows if r["key"] == "disaggregated|mix|1|0" and r["metric"] == "ttft")
+    assert r["error"] == pytest.approx(-0.4)
+    text = sim_oos.report(rows, ranks, 0.15)
+    assert "**(fit)**" in text and "all p50 and p90: 4/8 = 50%" in text and "ranking right in 1/2" in text
+
+
+def test_attainment_counts_each_request(tmp_path):
+    k = "aggregated|mix|1|0"
+    res = [{"ok": True, "ttft_s": 1.0, "e2e_s": 2.0, "output_tokens": 101},  # TPOT 10 ms: meets
+           {"ok": True, "ttft_s": 5.0, "e2e_s": 6.0, "output_tokens": 101},  # TTFT too long
+           {"ok": True, "ttft_s": 1.0, "e2e_s": 5.0, "output_tokens": 101},  # TPOT 40 ms
+           {"ok": False, "ttft_s": None, "e2e_s": None, "output_tokens": 0}]
+    path = sim_oos._requests_path(tmp_path, k)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(res))
+    assert sim_oos.attainment(tmp_path, k, 4.0, 0.025) == 0.25
+    assert sim_oos.attainment(tmp_path, "disaggregated|mix|1|0", 4.0, 0.025) is None
+
+
+def test_unknown_trace_is_refused():
+    with pytest.raises(ValueError, match="unknown trace"):
+        sim_oos.workload("nope", 1.0, argparse.Namespace(requests=4, short=8, long=16, output_tokens=4))
