@@ -41,7 +41,7 @@ def engine_config(settings: Settings, dtype: torch.dtype | None = None) -> Engin
             ngram_min=settings.speculative_ngram_min,
             ngram_max=settings.speculative_ngram_max,
             max_batch=settings.speculative_max_batch,
-            min_acceptance=settings.speculative_min_acceptance,
+            row_cost=settings.speculative_row_cost,
             draft_model=settings.speculative_draft_model,
         ),
     )

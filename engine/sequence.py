@@ -76,12 +76,10 @@ class Sequence:
     #: engine steps that gave this sequence output tokens here, and those tokens
     num_output_steps: int = 0
     num_step_tokens: int = 0
-    #: the acceptance window and pause of engine.speculative.Speculator
-    spec_window_drafted: int = 0
-    spec_window_accepted: int = 0
-    spec_pause_tokens: int = 0
-    spec_paused_until: int = 0
-    spec_draft_length: int = 0  # 0: not verified yet
+    #: the decayed acceptance history of engine.speculative.Speculator (accepted drafts; verifications
+    #: that rejected one)
+    spec_hits: float = 0.0
+    spec_misses: float = 0.0
 
     def __post_init__(self) -> None:
         self.update_block_hashes()

@@ -32,15 +32,16 @@ target and agrees with it often; on the default 135M model there is no smaller s
 prompt lookup is the default.
 
 When not to (:class:`Speculator`; the measurements behind the defaults are in
-docs/decisions.md):
-
-* per sequence: the draft length follows the last verification (doubled after a fully accepted
-  draft, else what was accepted plus one), and a sequence whose drafts are rarely accepted (below ``min_acceptance`` over its
-  last ``ACCEPTANCE_WINDOW`` draft tokens) stops drafting for a pause of output tokens that
-  doubles each time (``PAUSE_TOKENS`` up to ``MAX_PAUSE_TOKENS``), then tries again;
-* per step: when more than ``max_batch`` sequences decode in a step, none drafts: the step is
-  then bound by compute per row rather than by reading the weights once, and extra rows cost
-  about what they would save.
+docs/decisions.md): a verified row is not free on a CPU (each costs about a quarter of a one-row
+step's fixed cost here), so every step decides how many drafts each decoding sequence gets by
+expected tokens per unit of step time. A step of ``R`` rows costs ``1 + row_cost * R`` (in units
+of its fixed cost); the ``k``-th draft of a sequence is accepted with probability ``p ** k``,
+``p`` being the sequence's recent per-token acceptance (a truncated-geometric estimate,
+:meth:`Speculator.acceptance`); drafts are added, most likely first, while each one's expected
+token per ``row_cost`` beats the step's expected tokens per cost so far (:meth:`Speculator.plan`,
+the greedy that maximizes the ratio). One stream drafts whenever ``p`` passes about 0.2; at 32
+sequences only drafts above about 0.9 earn their row; a sequence whose drafts keep failing stops
+drafting and, as its history fades while it decodes without drafts, tries again.
 """
 
 from __future__ import annotations
@@ -54,12 +55,16 @@ import numpy as np
 from engine.sequence import Sequence
 
 METHODS = ("off", "ngram", "draft")
-#: Draft tokens over which a sequence's acceptance rate is judged.
-ACCEPTANCE_WINDOW = 16
-#: Output tokens a sequence with a low acceptance rate decodes without drafts, the first time.
-PAUSE_TOKENS = 16
-#: The longest such pause (each low window doubles it).
-MAX_PAUSE_TOKENS = 256
+#: Weight kept of a sequence's acceptance history at each verification (about the last five count).
+HISTORY_DECAY = 0.8
+#: Weight kept at each step a decoding sequence makes no draft: a failing history fades, so the
+#: sequence tries again after some tens of tokens (as the prior pulls its estimate back up).
+IDLE_DECAY = 0.95
+#: The estimate's prior, worth one trial: p = 2/3 before any verification (prompt lookup's acceptance
+#: on the copy-heavy and the open-ended workloads of `pdserve bench spec`, 63-66 %). Worth no more, so
+#: that a few rejections bring p below what one stream's step needs (about 0.2; with the decay, the
+#: history holds at most ~5 trials).
+PRIOR_HITS, PRIOR_MISSES = 2.0 / 3.0, 1.0 / 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +75,10 @@ class SpeculativeConfig:
         method: ``off``, ``ngram`` (prompt lookup) or ``draft`` (a draft model).
         num_tokens: most draft tokens per sequence per step.
         ngram_min, ngram_max: n-gram sizes looked up, longest first.
-        max_batch: most decoding sequences in a step for which drafts are made (0: no limit).
-        min_acceptance: acceptance rate below which a sequence pauses drafting.
+        max_batch: most decoding sequences in a step for which drafts are made (0: no limit; the
+            expected-gain rule of :meth:`Speculator.plan` decides below it).
+        row_cost: the time one more row adds to a decode step, as a fraction of the step's fixed
+            cost (``pdserve bench spec --crossover`` measures it: 0.2-0.27 on a 2-vCPU Zen 4).
         draft_model: the draft model's local folder (``method="draft"`` only).
     """
 
@@ -79,8 +86,8 @@ class SpeculativeConfig:
     num_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch: int = 4
-    min_acceptance: float = 0.3
+    max_batch: int = 0
+    row_cost: float = 0.25
     draft_model: str = ""
 
     def __post_init__(self) -> None:
@@ -90,6 +97,8 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft' needs a draft model folder (PD_SPECULATIVE_DRAFT_MODEL)")
         if self.num_tokens < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("speculative num_tokens must be >= 1 and 1 <= ngram_min <= ngram_max")
+        if not self.row_cost > 0:
+            raise ValueError("speculative row_cost must be > 0")
 
     @property
     def enabled(self) -> bool:
@@ -248,19 +257,22 @@ class Speculator:
         if self.config.max_batch and len(decoding) > self.config.max_batch:
             return 0
         count = 0
-        for seq in decoding:
-            if not seq.sampling.speculative or seq.num_output_tokens < seq.spec_paused_until:
-                continue
-            room = min(self.draft_length(seq),
+        for seq, want in zip(decoding, self.plan(decoding)):
+            room = min(want,
                        seq.sampling.max_tokens - seq.num_output_tokens - 1,  # the pick after them
                        self.max_model_len - seq.num_tokens)  # positions of the drafts' KV
-            draft = (self.draft_model.propose(seq.request_id, seq.token_ids, room) if self.draft_model is not None
-                     else self.proposer.propose(seq.token_ids, room))
+            draft: list[int] = []
+            if room > 0:
+                draft = (self.draft_model.propose(seq.request_id, seq.token_ids, room) if self.draft_model is not None
+                         else self.proposer.propose(seq.token_ids, room))
             if draft and seq.matcher is not None:  # drafts the grammar forbids would be rejected anyway
                 draft = draft[: seq.matcher.validate_tokens(draft)]
             if draft:
                 seq.draft_token_ids = draft
                 count += 1
+            elif seq.sampling.speculative:  # no draft this step: its history fades towards the prior
+                seq.spec_hits *= IDLE_DECAY
+                seq.spec_misses *= IDLE_DECAY
         return count
 
     def release(self, request_id: str) -> None:
@@ -268,32 +280,55 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.caches.pop(request_id, None)
 
-    def draft_length(self, seq: Sequence) -> int:
-        """Drafts to ask for: ``seq.spec_draft_length`` once verified (see :meth:`record`), else
-        half of ``num_tokens`` (at least 1)."""
-        return seq.spec_draft_length or max(1, self.config.num_tokens // 2)
+    @staticmethod
+    def acceptance(seq: Sequence) -> float:
+        """``p``: the chance that a sequence's next draft token is accepted given the one before it
+        was. Each verification with ``d`` drafts and ``a`` accepted is a draw of a geometric run cut
+        at ``d``: ``a`` successes, and one failure when ``a < d``; the estimate is successes over
+        trials, with :data:`PRIOR_HITS` / :data:`PRIOR_MISSES` added and older verifications weighed
+        down by :data:`HISTORY_DECAY` each."""
+        return (seq.spec_hits + PRIOR_HITS) / (seq.spec_hits + seq.spec_misses + PRIOR_HITS + PRIOR_MISSES)
+
+    def plan(self, decoding: Seq[Sequence]) -> list[int]:
+        """Drafts to ask for, per sequence of this step's decoding ones (0: none).
+
+        A step of ``R`` rows costs ``1 + c R`` (``c`` = ``row_cost``, in units of the step's fixed
+        cost); a sequence's ``k``-th draft adds ``p ** k`` expected tokens (:meth:`acceptance`).
+        Starting from the plain step (one row and one token per sequence), drafts are added in
+        order of their expected tokens, most first, while each one's ``p ** k / c`` exceeds the
+        step's expected tokens per cost so far: each added draft raises the ratio, the first that
+        would not ends the plan, so the plan maximizes expected tokens per unit of step time over
+        every choice of lengths (a sequence's drafts come in order, as ``p ** k`` falls with
+        ``k``). Sequences opted out (``"speculative": false``) get none."""
+        c = self.config.row_cost
+        tokens, cost = float(len(decoding)), 1.0 + c * len(decoding)
+        candidates = []
+        for i, seq in enumerate(decoding):
+            if not seq.sampling.speculative:
+                continue
+            p, gain = self.acceptance(seq), 1.0
+            for k in range(1, self.config.num_tokens + 1):
+                gain *= p
+                candidates.append((-gain, k, i))
+        candidates.sort()
+        lengths = [0] * len(decoding)
+        for neg_gain, k, i in candidates:
+            gain = -neg_gain
+            if gain * cost <= c * tokens:
+                break
+            if lengths[i] == k - 1:
+                lengths[i] = k
+                tokens += gain
+                cost += c
+        return lengths
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted_tokens: int) -> None:
-        """Count one verification of ``seq``; adapt its draft length; pause its drafting when its
-        acceptance is low.
-
-        Draft length: doubled (up to ``num_tokens``) when every draft was accepted, else the
-        number accepted plus one (at least 1): each verified row costs about a third of a
-        one-row step on these CPUs (docs/decisions.md), so drafts past the likely match are waste.
-        """
-        if num_accepted_tokens == num_drafted:
-            seq.spec_draft_length = min(self.config.num_tokens, 2 * max(num_drafted, self.draft_length(seq)))
-        else:
-            seq.spec_draft_length = max(1, num_accepted_tokens + 1)
+        """Count one verification of ``seq`` (``num_drafted`` drafts, the first
+        ``num_accepted_tokens`` accepted) in its acceptance history (:meth:`acceptance`)."""
+        seq.spec_hits = HISTORY_DECAY * seq.spec_hits + num_accepted_tokens
+        seq.spec_misses = HISTORY_DECAY * seq.spec_misses + (num_accepted_tokens < num_drafted)
         seq.num_draft_tokens += num_drafted
         seq.num_accepted_tokens += num_accepted_tokens
-        seq.spec_window_drafted += num_drafted
-        seq.spec_window_accepted += num_accepted_tokens
-        if seq.spec_window_drafted >= ACCEPTANCE_WINDOW:
-            if seq.spec_window_accepted < self.config.min_acceptance * seq.spec_window_drafted:
-                seq.spec_pause_tokens = min(MAX_PAUSE_TOKENS, max(PAUSE_TOKENS, 2 * seq.spec_pause_tokens))
-                seq.spec_paused_until = seq.num_output_tokens + seq.spec_pause_tokens
-            seq.spec_window_drafted = seq.spec_window_accepted = 0
 
 
 def _is_decoding(seq: Sequence) -> bool:

@@ -7,6 +7,9 @@ shares, nothing pinned) with the rule off and on, alternating deployment by depl
 
 * **alone**: ``--long``-token prompts one at a time with nothing decoding: TTFT (the prefill
   worker may take the idle decode worker's cores);
+* **one stream**: ``--one`` requests one after another (96-token prompts, 128 output tokens) with
+  nothing in prefill: ITL p50/p90 and time per output token (the decode worker may take the idle
+  prefill worker's cores);
 * **mixed**: a RAG/agent host's day: ``--streams`` interactive streams (96-token prompts,
   128 output tokens, each sending its next request when the last one ends) while a
   ``--long``-token prompt arrives every ``--every`` seconds for ``--seconds``: the streams' ITL
@@ -37,6 +40,19 @@ async def _alone(url: str, model: str, prompts: list[list[int]]) -> list[float]:
             r = await send_one(client, model, RequestSpec(0, p, 2, chat=False), extra={"ignore_eos": True})
             out.append(r.ttft_s if r.ok else float("nan"))
     return out
+
+
+async def _one_stream(url: str, model: str, prompts: list[list[int]]) -> dict:
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for p in prompts:
+            out.append(await send_one(client, model, RequestSpec(0, p, 128, chat=False), extra={"ignore_eos": True}))
+    gaps = [g for r in out if r.ok for g in r.itls]
+    tpots = [r.tpot_s for r in out if r.ok and r.tpot_s is not None]
+    return {"one_itl": [percentile(gaps, q) for q in (50, 90)], "one_tpot": statistics.median(tpots),
+            "one_failed": sum(not r.ok for r in out)}
 
 
 async def _mixed(url: str, model: str, args, rng: random.Random, vocab_tokens) -> dict:
@@ -94,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs of deployments")
     p.add_argument("--long", type=int, default=2048, help="long prompt tokens")
     p.add_argument("--alone", type=int, default=3, help="long prompts timed alone per deployment")
+    p.add_argument("--one", type=int, default=4, help="requests of the one-stream part")
     p.add_argument("--streams", type=int, default=3)
     p.add_argument("--every", type=float, default=6.0, help="seconds between long prompts in the mixed load")
     p.add_argument("--seconds", type=float, default=40.0, help="length of the mixed load")
@@ -110,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             with Deployed(base, plan) as dep:
                 asyncio.run(_alone(dep.url, model, [random_tokens(rng, 32, vocab)]))  # warm-up
                 alone = asyncio.run(_alone(dep.url, model, [random_tokens(rng, args.long, vocab) for _ in range(args.alone)]))
+                one = asyncio.run(_one_stream(dep.url, model, [random_tokens(rng, 96, vocab) for _ in range(args.one)]))
                 mixed = asyncio.run(_mixed(dep.url, model, args, rng, lambda r, n: random_tokens(r, n, vocab)))
-            row = {"alone": alone, **mixed, "load": os.getloadavg()[0]}
+            row = {"alone": alone, **one, **mixed, "load": os.getloadavg()[0]}
             results[label].append(row)
-            print(f"round {rnd} core_share={label}: long TTFT alone {statistics.median(alone):.2f} s; mixed ITL "
+            print(f"round {rnd} core_share={label}: long TTFT alone {statistics.median(alone):.2f} s; one stream ITL "
+                  f"p50/p90 {'/'.join(f'{x * 1e3:.1f}' for x in one['one_itl'])} ms, TPOT {one['one_tpot'] * 1e3:.1f} ms; mixed ITL "
                   f"p50/p90/p99 {'/'.join(f'{x * 1e3:.1f}' for x in mixed['itl'])} ms, TPOT p90 "
                   f"{mixed['tpot_p90'] * 1e3:.1f} ms, long TTFT p50 {statistics.median(mixed['long_ttft']):.2f} s, "
                   f"{mixed['failed']} failed, load {row['load']:.2f}", flush=True)
@@ -126,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
           f"prompt every {args.every:g} s for {args.seconds:g} s\n")
     print("| measure | PD_CORE_SHARE=false | true | ratio |\n|---|---|---|---|")
     rows = [("long prompt TTFT, nothing decoding (s)", lambda r: statistics.median(r["alone"])),
+            ("one stream, nothing in prefill: ITL p50 (ms)", lambda r: r["one_itl"][0] * 1e3),
+            ("one stream, nothing in prefill: ITL p90 (ms)", lambda r: r["one_itl"][1] * 1e3),
+            ("one stream, nothing in prefill: TPOT (ms)", lambda r: r["one_tpot"] * 1e3),
             ("mixed: stream ITL p50 (ms)", lambda r: r["itl"][0] * 1e3),
             ("mixed: stream ITL p90 (ms)", lambda r: r["itl"][1] * 1e3),
             ("mixed: stream ITL p99 (ms)", lambda r: r["itl"][2] * 1e3),

@@ -18,11 +18,20 @@ divided by the tokens in between) and the acceptance rate, with speculation on a
 Every request is greedy; the run checks that each output is the same token for token with
 and without speculation, and says so. With ``--crossover`` it first measures the decode step's
 time against its rows (sequences x (1 + drafts)), the measurement behind
-``PD_SPECULATIVE_MAX_BATCH`` (docs/decisions.md).
+``PD_SPECULATIVE_ROW_COST`` (docs/decisions.md): it also prints the fit of ``step = fixed + rows x
+per-row`` to each batch's two points and their ratio (the row cost).
 
 The engine is stepped directly (no HTTP, no bus): TPOT here is the engine's own, which is what
 speculation changes; the pipeline adds a fixed cost per chunk that speculation divides by the
 tokens per step.
+
+``pdserve bench spec --http`` measures what a client sees instead: it starts the README's default
+deployment (``pdserve up``'s workers, threads and settings: speculation on), sends the same
+workloads as streamed chat completions, each request once as it is and once with
+``"speculative": false`` (alternating, so the machine's drift falls on both alike), and prints
+the client's TPOT (first content chunk to the end, over the output tokens after the first), the
+acceptance and tokens per step from each request's ``/debug/timeline``, and whether every answer
+was the same text with and without speculation.
 """
 
 from __future__ import annotations
@@ -162,16 +171,16 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int 
     speculator = engine.speculator
     config = speculator.config
     print("\ncrossover: median step ms by decode batch (rows) and drafts per sequence (forced, rejected)")
-    print(f"  {'batch':>5} " + " ".join(f"{'d=' + str(d):>10}" for d in drafts) + f"   ratio d={drafts[-1]}/d=0")
+    print(f"  {'batch':>5} " + " ".join(f"{'d=' + str(d):>10}" for d in drafts) + f"   ratio d={drafts[-1]}/d=0"
+          "   per-row ms  fixed ms  row cost")
     for batch in batches:
         row = []
         for d in drafts:
             engine.speculator = speculator if d else None
             if d:
                 speculator.proposer.propose = lambda token_ids, n, d=d: [token_ids[-1] ^ 1] * min(d, n)
-                speculator.draft_length = lambda seq, d=d: d
-                speculator.config = type(speculator.config)(**{**_fields(speculator.config), "max_batch": 0,
-                                                                "min_acceptance": 0.0})
+                speculator.plan = lambda decoding, d=d: [d] * len(decoding)
+                speculator.config = type(speculator.config)(**{**_fields(speculator.config), "max_batch": 0})
             sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
             for b in range(batch):
                 engine.add_request(f"x{batch}-{d}-{b}", [(7 * b + i) % 40000 + 100 for i in range(context)], sp)
@@ -185,13 +194,86 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int 
             for rid in list(engine.sequences):
                 engine.abort(rid)
             row.append(sorted(times)[len(times) // 2])
-        print(f"  {batch:>5} " + " ".join(f"{t * 1e3:>10.1f}" for t in row) + f"   {row[-1] / row[0]:>6.2f}")
+        per_row = (row[-1] - row[0]) / (batch * drafts[-1])  # step = fixed + rows x per_row, through both points
+        fixed = row[0] - batch * per_row
+        print(f"  {batch:>5} " + " ".join(f"{t * 1e3:>10.1f}" for t in row) + f"   {row[-1] / row[0]:>6.2f}"
+              f"   {per_row * 1e3:>10.2f}  {fixed * 1e3:>8.2f}  {per_row / fixed if fixed > 0 else float('inf'):>8.2f}")
     from engine.speculative import NgramProposer
 
     speculator.proposer = NgramProposer(speculator.config.ngram_min, speculator.config.ngram_max)
     speculator.config = config
-    del speculator.draft_length  # the method again
+    del speculator.plan  # the method again
     engine.speculator = speculator
+
+
+async def _http_rows(url: str, model: str, workloads: dict, many: list[str], max_tokens: int) -> list[tuple]:
+    """The HTTP rows: (label, TPOT off s, TPOT on s, acceptance, tokens per step on, same text)."""
+    import asyncio
+
+    import httpx
+
+    from loadtest.client import RequestSpec, send_one
+
+    async def one(client, prompt: str, speculate: bool):
+        extra = {} if speculate else {"speculative": False}
+        r = await send_one(client, model, RequestSpec(0, prompt, max_tokens, chat=True), extra=extra)
+        if not r.ok:
+            raise RuntimeError(f"request failed: {r.error}")
+        spec = None
+        if speculate and r.request_id:
+            tl = (await client.get(f"/debug/timeline/{r.request_id}")).json()
+            spec = (tl.get("choices") or [{}])[0].get("speculation")
+        return r, spec
+
+    rows = []
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=128, max_keepalive_connections=64)) as client:
+        await one(client, "Say hello.", True)  # warm-up
+        groups = [(f"{name}, 1 stream", [[p] for p in prompts]) for name, prompts in workloads.items()]
+        groups.append((f"mixed, {len(many)} streams", [many] * 4))  # off/on, on/off, off/on, on/off
+        for label, parts in groups:
+            got = {False: [], True: []}
+            for i, part in enumerate(parts):
+                for speculate in ((False, True) if i % 2 == 0 else (True, False)):
+                    got[speculate].append(await asyncio.gather(*(one(client, p, speculate) for p in part)))
+            tpot = {k: [r.tpot_s for batch in v for r, _ in batch if r.tpot_s is not None] for k, v in got.items()}
+            texts = {k: [r.text for batch in v for r, _ in batch] for k, v in got.items()}
+            stats = [st for batch in got[True] for _, st in batch if st]
+            drafted = sum(st["draft_tokens"] for st in stats)
+            accepted = sum(st["accepted_tokens"] for st in stats)
+            per_step = [st["tokens_per_step"] for st in stats if st["tokens_per_step"]]
+            rows.append((label, sum(tpot[False]) / len(tpot[False]), sum(tpot[True]) / len(tpot[True]),
+                         f"{accepted / drafted:.0%}" if drafted else "no drafts",
+                         sum(per_step) / len(per_step) if per_step else 1.0, texts[False] == texts[True]))
+    return rows
+
+
+def http_main(args, settings: Settings) -> int:
+    """``--http``: the default deployment, each request with and without speculation."""
+    import asyncio
+
+    from engine.model.loader import ensure_model
+    from loadtest.bench_cores import cpu_line
+    from loadtest.bench_modes import Deployed, _model_name
+
+    ensure_model(settings)
+    workloads = {"copy-heavy": copy_heavy_prompts(args.requests), "random text": random_text_prompts(args.requests)}
+    many = copy_heavy_prompts(args.streams // 2) + random_text_prompts(args.streams - args.streams // 2, seed=1)
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"pdserve bench spec --http: {cpu_line()}; the README's default deployment (1 prefill + 1 decode, "
+          f"pdserve up's threads, PD_CORE_SHARE={settings.core_share}, method {settings.speculative_method}); "
+          f"{args.tokens} tokens a request, greedy; load average {load}")
+    with Deployed(settings, {"replicas": {"prefill": 1, "decode": 1}, "affinity": {}, "settings": {}}) as dep:
+        rows = asyncio.run(_http_rows(dep.url, _model_name(settings), workloads, many, args.tokens))
+    print(f"\n{'workload':<26} {'TPOT off ms':>12} {'TPOT on ms':>11} {'speed-up':>9} {'accepted':>9} "
+          f"{'tokens/step on':>15} {'same text':>10}")
+    for label, off, on, rate, per_step, same in rows:
+        print(f"{label:<26} {off * 1e3:>12.2f} {on * 1e3:>11.2f} {off / on:>8.2f}x {rate:>9} {per_step:>15.2f} "
+              f"{str(same):>10}")
+    with open("/proc/loadavg") as f:
+        print(f"load average at the end: {' '.join(f.read().split()[:3])}")
+    return 0
 
 
 def _merge(results: list[dict]) -> dict:
@@ -213,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=32, help="requests at once in the many-streams part")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--crossover", action="store_true", help="measure step time against rows first")
+    p.add_argument("--http", action="store_true",
+                   help="through the README's default deployment (streamed chat completions) instead of the engine")
     args = p.parse_args(argv or [])
+    if args.http:
+        return http_main(args, Settings.from_env())
     settings = Settings.from_env(torch_threads=args.threads)
     if settings.speculative_method == "off":
         settings = settings.replace(speculative_method="ngram")
@@ -234,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pdserve bench spec: {settings.model or 'default model'}, dtype {engine.dtype}, block_dot "
           f"{engine.runner.block_dot}, {args.threads} threads, load average {' '.join(load)}; "
           f"drafts {speculator.config.num_tokens}, n-grams {speculator.config.ngram_min}..{speculator.config.ngram_max}, "
-          f"max batch {speculator.config.max_batch}")
+          f"max batch {speculator.config.max_batch or 'none'}, row cost {speculator.config.row_cost}")
     if args.crossover:
         crossover(engine)
     workloads = {

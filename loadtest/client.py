@@ -49,6 +49,8 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds after sent_at
+    text: str = ""  # the streamed text (choice 0's deltas, in order)
+    request_id: str = ""  # the gateway's X-Request-Id (for /debug/timeline)
 
     @property
     def itls(self) -> list[float]:
@@ -136,6 +138,7 @@ async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, ext
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return result
+            result.request_id = resp.headers.get("x-request-id", "")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -154,6 +157,8 @@ async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, ext
                 for choice in event.get("choices") or []:
                     text = choice.get("text") if not spec.chat else (choice.get("delta") or {}).get("content")
                     if text:
+                        if not choice.get("index"):
+                            result.text += text
                         chunks += 1
                         if result.ttft_s is None:
                             result.ttft_s = now

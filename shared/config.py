@@ -72,9 +72,9 @@ class Settings:
         default=0,
     )
     core_share: bool = _doc(
-        "A prefill worker takes the cores of its host's idle decode workers: before each step it runs "
-        "its own torch threads plus those of every decode worker on the host with nothing to decode, "
-        "at most its CPUs (the kernels give the same bits at any thread count; docs/decisions.md, "
+        "A model worker takes the cores of its host's idle model workers (prefill those of an idle "
+        "decode worker, decode those of an idle prefill worker): before each step it runs its own torch "
+        "threads plus those of every other model worker on the host with nothing to do, at most its CPUs (the kernels give the same bits at any thread count; docs/decisions.md, "
         "\"Cores where the work is\"). false = each worker keeps its PD_TORCH_THREADS.",
         default=True,
     )
@@ -160,19 +160,22 @@ class Settings:
         default="ngram",
     )
     speculative_num_tokens: int = _doc(
-        "Most draft tokens per sequence per decode step (a sequence starts at half of it; its draft "
-        "length then follows its acceptance).", default=8)
+        "Most draft tokens per sequence per decode step (how many a step asks for follows each "
+        "sequence's recent acceptance and the batch: PD_SPECULATIVE_ROW_COST).", default=8)
     speculative_ngram_min: int = _doc("Shortest n-gram looked up for a draft.", default=2)
     speculative_ngram_max: int = _doc("Longest n-gram looked up for a draft (tried first).", default=4)
     speculative_max_batch: int = _doc(
-        "No drafts in a step where more sequences than this decode (verification rows then cost about "
-        "what they save; docs/decisions.md); 0 = no limit.",
-        default=4,
+        "No drafts in a step where more sequences than this decode; 0 = no limit (the expected-gain "
+        "rule of PD_SPECULATIVE_ROW_COST decides).",
+        default=0,
     )
-    speculative_min_acceptance: float = _doc(
-        "A sequence whose drafts are accepted less often than this (over its last 16 draft tokens) "
-        "pauses drafting for 16 output tokens, doubling up to 256 each time it fails again.",
-        default=0.3,
+    speculative_row_cost: float = _doc(
+        "What one more row adds to a decode step, as a fraction of the step's fixed cost (measured by "
+        "pdserve bench spec --crossover; 0.2-0.27 on a 2-vCPU Zen 4). Each step drafts, most likely "
+        "draft first, only while a draft's chance of acceptance times the step's cost beats this times "
+        "the step's expected tokens: one stream drafts above ~20 % acceptance, 32 sequences only above "
+        "~90 % (docs/decisions.md).",
+        default=0.25,
     )
     speculative_draft_model: str = _doc(
         "The draft model of PD_SPECULATIVE_METHOD=draft: a local Hugging Face model folder with the "

@@ -96,8 +96,8 @@ def validate_settings(settings: typing.Any) -> None:
     if settings.speculative_num_tokens < 1 or not 1 <= settings.speculative_ngram_min <= settings.speculative_ngram_max:
         raise SettingsError("PD_SPECULATIVE_NUM_TOKENS must be >= 1 and 1 <= PD_SPECULATIVE_NGRAM_MIN <= "
                             "PD_SPECULATIVE_NGRAM_MAX")
-    if settings.speculative_max_batch < 0 or not 0.0 <= settings.speculative_min_acceptance <= 1.0:
-        raise SettingsError("PD_SPECULATIVE_MAX_BATCH must be >= 0 and PD_SPECULATIVE_MIN_ACCEPTANCE in [0, 1]")
+    if settings.speculative_max_batch < 0 or not settings.speculative_row_cost > 0:
+        raise SettingsError("PD_SPECULATIVE_MAX_BATCH must be >= 0 and PD_SPECULATIVE_ROW_COST > 0")
     for name in ("rate_limit_window_s", "rate_limit_lease_s", "keys_reload_interval_s"):
         if getattr(settings, name) <= 0:
             raise SettingsError(f"PD_{name.upper()} must be positive")

@@ -1,22 +1,26 @@
-"""Cores where the work is: a prefill worker takes the cores of its host's idle decode workers.
+"""Cores where the work is: each model worker runs the threads of its host's idle model workers too.
 
 On a small host ``pdserve up`` gives each model worker its share of the cores (on two cores: one
-prefill thread, one decode thread). A long prompt that arrives while nothing decodes then runs on
-one core while the other idles, and a decode worker that is busy must not lose its core to a
-prefill that oversubscribes it (every parallel region of its step would wait at a barrier for a
-descheduled thread: docs/decisions.md, "Threads per model worker"). So each decode worker
-publishes, in a small file on the host's tmpfs, whether it has sequences to decode and how many
-threads it runs; before each engine step a prefill worker sets its torch threads to its own share
-plus the threads of the decode workers of its host that are idle (or dead), never more than the
-CPUs it may run on. The kernels give bit-identical results at any thread count (each output
-column and each attention tile is computed by one thread in a fixed order:
+prefill thread, one decode thread). A long prompt that arrives while nothing decodes would then
+run on one core while the other idles, and so would one stream's decode steps while no prompt is
+being prefilled. But a worker that is busy must not lose its core to another that oversubscribes
+it (every parallel region of its step would wait at a barrier for a descheduled thread:
+docs/decisions.md, "Threads per model worker"). So each model worker publishes, in a small file
+on the host's tmpfs, whether it has work and how many threads it runs (:class:`WorkerState`);
+before each engine step it sets its torch threads to its own share plus the threads of the other
+model workers of its host that are idle (or dead), never more than the CPUs it may run on
+(:class:`StepThreads`). Prefill borrows an idle decode worker's cores for a long prompt; decode
+borrows an idle prefill worker's cores for its steps; a worker that gets work back takes its
+cores back at its next step, and the borrower gives them back at its next look (at most
+``LOOK_EVERY_S`` plus one step later). The kernels give bit-identical results at any thread
+count (each output column and each attention tile is computed by one thread in a fixed order:
 kernels/cpu/quant_block.h, kernels/cpu/paged_attention.cpp), so the answer does not depend on the
 number of threads a step ran with. The rule and its measurements: docs/decisions.md, "Cores where
 the work is".
 
-The files live in ``<PD_SHM_DIR>/pdserve-cores-<namespace>/`` (one per decode worker:
-``<instance>.json`` = ``{"pid", "threads", "busy"}``), so workers of one deployment on one host
-see each other and nothing else.
+The files live in ``<PD_SHM_DIR>/pdserve-cores-<namespace>/`` (one per model worker:
+``<instance>.json`` = ``{"pid", "role", "threads", "busy"}``), so workers of one deployment on one
+host see each other and nothing else.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import os
 import time
 from pathlib import Path
 
-#: Seconds between two looks at the decode workers' files from a prefill worker (a step of a
-#: long prompt takes longer; a short one is not worth a look each).
+#: Seconds between two looks at the other workers' files (a prefill step of a long prompt takes
+#: longer; a decode step takes about this long on a 2-core host, so a borrowed core goes back
+#: within about one step).
 LOOK_EVERY_S = 0.01
 
 
@@ -46,19 +51,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class DecodeBusy:
-    """A decode worker's published state: busy (sequences to decode) or idle, and its threads.
+class WorkerState:
+    """A model worker's published state: busy (sequences to prefill or decode) or idle, its role
+    and its own share of threads.
 
     Args:
         folder: :func:`share_dir`.
-        instance: the worker's instance id (the file's name).
-        threads: the torch threads its steps run.
+        instance: the worker's instance id (the file's name; the pid when empty).
+        threads: its own share of torch threads (what it lends while idle).
+        role: ``prefill`` or ``decode`` (informational: the rule is the same for both).
     """
 
-    def __init__(self, folder: Path, instance: str, threads: int):
+    def __init__(self, folder: Path, instance: str, threads: int, role: str = ""):
         self.folder = folder
         self.path = folder / f"{instance or os.getpid()}.json"
         self.threads = threads
+        self.role = role
         self.busy: bool | None = None
         folder.mkdir(parents=True, exist_ok=True)
         self.set(False)
@@ -69,43 +77,49 @@ class DecodeBusy:
             return
         self.busy = busy
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "threads": self.threads, "busy": busy}))
+        tmp.write_text(json.dumps({"pid": os.getpid(), "role": self.role, "threads": self.threads, "busy": busy}))
         os.replace(tmp, self.path)
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
 
 
-class PrefillThreads:
-    """A prefill worker's torch threads, step by step: ``base`` plus the threads of the host's
-    idle or dead decode workers, at most ``max_threads``.
+class StepThreads:
+    """A model worker's torch threads, step by step: ``base`` plus the threads of the host's other
+    model workers that are idle or dead, at most ``max_threads``.
 
     Args:
         folder: :func:`share_dir`.
         base: the worker's own share (``PD_TORCH_THREADS``).
         max_threads: the CPUs it may run on.
         set_threads: applies a thread count (``torch.set_num_threads``).
+        own: the worker's own :class:`WorkerState` file (not counted as a lender); None for a
+            worker that only borrows.
     """
 
-    def __init__(self, folder: Path, base: int, max_threads: int, set_threads=None):
-        import torch
+    def __init__(self, folder: Path, base: int, max_threads: int, set_threads=None, own: Path | None = None):
+        if set_threads is None:
+            import torch
 
+            set_threads = torch.set_num_threads
         self.folder = folder
         self.base = max(1, base)
         self.max_threads = max(self.base, max_threads)
-        self.set_threads = set_threads or torch.set_num_threads
+        self.set_threads = set_threads
+        self.own = own.name if own is not None else None
         self.current = self.base
         self._looked = 0.0
 
     def lent(self) -> int:
-        """Threads of decode workers on this host that are idle now (or whose process is gone)."""
+        """Threads of the other model workers on this host that are idle now (or whose process is
+        gone)."""
         total = 0
         try:
             names = os.listdir(self.folder)
         except FileNotFoundError:
             return 0
         for name in names:
-            if not name.endswith(".json"):
+            if not name.endswith(".json") or name == self.own:
                 continue
             try:
                 state = json.loads((self.folder / name).read_text())

@@ -48,9 +48,9 @@ class EngineLoop:
             the host's monotonic clock (``time.perf_counter``, comparable across its processes);
             the first line says who wrote it (``{"header": {...}}``). Written every second.
         on_busy: called on the engine thread with True when work arrives after idling and False
-            when the engine runs out of work (:class:`services.common.core_share.DecodeBusy`).
+            when the engine runs out of work (:class:`services.common.core_share.WorkerState`).
         before_step: called on the engine thread before each step
-            (:class:`services.common.core_share.PrefillThreads`).
+            (:class:`services.common.core_share.StepThreads`).
     """
 
     def __init__(

@@ -49,8 +49,8 @@ class ModelWorker(Worker):
         await super().before_drain()
         if self.engine_loop is not None:
             self.engine_loop.stop()
-        if getattr(self, "decode_busy", None) is not None:
-            self.decode_busy.close()
+        if getattr(self, "worker_state", None) is not None:
+            self.worker_state.close()
 
     async def setup(self) -> None:
         if self.settings.cpu_affinity:
@@ -67,19 +67,18 @@ class ModelWorker(Worker):
         if self.settings.step_log_dir:
             os.makedirs(self.settings.step_log_dir, exist_ok=True)
             log = os.path.join(self.settings.step_log_dir, f"{self.settings.instance_id or self.stage}-{os.getpid()}.jsonl")
-        self.decode_busy, on_busy, before_step = None, None, None
-        if self.settings.core_share and self.engine.device.type == "cpu":
+        self.worker_state, on_busy, before_step = None, None, None
+        if self.settings.core_share and self.engine.device.type == "cpu" and self.stage in ("prefill", "decode"):
             import torch
 
             from services.common import core_share
 
             folder = core_share.share_dir(self.settings.shm_dir, self.settings.namespace)
-            if self.stage == "decode":
-                self.decode_busy = core_share.DecodeBusy(folder, self.settings.instance_id, torch.get_num_threads())
-                on_busy = self.decode_busy.set
-            elif self.stage == "prefill":
-                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-                before_step = core_share.PrefillThreads(folder, torch.get_num_threads(), cpus).before_step
+            threads = torch.get_num_threads()
+            self.worker_state = core_share.WorkerState(folder, self.settings.instance_id, threads, self.stage)
+            on_busy = self.worker_state.set
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            before_step = core_share.StepThreads(folder, threads, cpus, own=self.worker_state.path).before_step
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
                                       self.metrics, step_log=log,
                                       header={"stage": self.stage, "instance": self.settings.instance_id,

@@ -331,9 +331,10 @@ def test_long_prompt_chunked_at_tile_and_block_edges(bf16_model, monkeypatch):
 
 
 def test_any_thread_count_gives_the_same_bits(bf16_model, monkeypatch):
-    """A prefill worker changes its torch threads between steps (services/common/core_share.py):
+    """Prefill and decode workers change their torch threads between steps (services/common/core_share.py):
     a long prompt and a seeded one give the same tokens and logits bytes at one thread, at two, and
-    with the count changing at every step (chunks of 64 and 97 tokens computed at different counts)."""
+    with the count changing at every step (chunks of 64 and 97 tokens and decode steps computed at
+    different counts)."""
     model, _ = bf16_model
     long_prompt, short = prompts([200, 30], model.config.vocab_size, seed=12)
     requests = [(0, "l", long_prompt, GREEDY), (1, "s", short, SEEDED)]

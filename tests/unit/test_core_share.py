@@ -1,6 +1,7 @@
-"""Cores where the work is (services/common/core_share.py): a prefill worker's threads follow its
-host's decode workers — their threads lent while they idle or are dead, taken back while they
-decode — and a decode worker's engine loop publishes busy and idle at the right moments."""
+"""Cores where the work is (services/common/core_share.py): a model worker's threads follow its
+host's other model workers — their threads lent while they idle or are dead, taken back while they
+work, in both directions (prefill borrows from decode, decode from prefill) — and a worker's engine
+loop publishes busy and idle at the right moments."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import time
 import pytest
 
 from services.common import core_share
-from services.common.core_share import DecodeBusy, PrefillThreads
+from services.common.core_share import StepThreads, WorkerState
 
 
-def _look(p: PrefillThreads) -> int:
+def _look(p: StepThreads) -> int:
     p._looked = 0.0  # as if LOOK_EVERY_S had passed
     return p.before_step()
 
@@ -26,9 +27,9 @@ def _look(p: PrefillThreads) -> int:
 def test_prefill_threads_follow_the_decode_workers(tmp_path):
     folder = core_share.share_dir(str(tmp_path), "ns")
     applied: list[int] = []
-    prefill = PrefillThreads(folder, base=1, max_threads=4, set_threads=applied.append)
+    prefill = StepThreads(folder, base=1, max_threads=4, set_threads=applied.append)
     assert _look(prefill) == 1 and applied == []  # no decode worker on this host: its own share
-    a, b = DecodeBusy(folder, "decode-0-aa", threads=1), DecodeBusy(folder, "decode-1-bb", threads=2)
+    a, b = WorkerState(folder, "decode-0-aa", threads=1), WorkerState(folder, "decode-1-bb", threads=2)
     assert _look(prefill) == 4 and applied == [4]  # both idle: 1 + 1 + 2
     a.set(True)
     assert _look(prefill) == 3
@@ -36,11 +37,29 @@ def test_prefill_threads_follow_the_decode_workers(tmp_path):
     assert _look(prefill) == 1
     b.set(False)
     assert _look(prefill) == 3 and applied == [4, 3, 1, 3]
-    capped = PrefillThreads(folder, base=1, max_threads=2, set_threads=applied.append)
+    capped = StepThreads(folder, base=1, max_threads=2, set_threads=applied.append)
     assert _look(capped) == 2  # never more threads than its CPUs
     a.close()
     b.close()
     assert _look(prefill) == 1 and os.listdir(folder) == []
+
+
+def test_decode_borrows_an_idle_prefill_workers_threads_and_gives_them_back(tmp_path):
+    """Both ways at once, as pdserve up runs them on two cores: each worker publishes its own state
+    and borrows from the other, never counting itself."""
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    prefill_state = WorkerState(folder, "prefill-0-aa", threads=1, role="prefill")
+    decode_state = WorkerState(folder, "decode-0-bb", threads=1, role="decode")
+    prefill = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None, own=prefill_state.path)
+    decode = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None, own=decode_state.path)
+    decode_state.set(True)  # one stream decoding, no prompt in prefill
+    assert _look(decode) == 2 and _look(prefill) == 1
+    prefill_state.set(True)  # a long prompt arrives: the prefill worker takes its core back
+    assert _look(prefill) == 1 and _look(decode) == 1
+    decode_state.set(False)  # the stream ended: the prompt gets both cores
+    assert _look(prefill) == 2
+    prefill_state.close()
+    assert _look(decode) == 1  # a worker that left (drained) lends nothing: its file is gone
 
 
 def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path):
@@ -49,16 +68,16 @@ def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (folder / "decode-0-dead.json").write_text(json.dumps({"pid": int(dead.stdout), "threads": 1, "busy": True}))
     (folder / "decode-1-torn.json").write_text("{")  # being replaced: skipped, not fatal
-    prefill = PrefillThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
+    prefill = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
     assert _look(prefill) == 2
     assert not (folder / "decode-0-dead.json").exists()
 
 
 def test_looks_are_rate_limited(tmp_path):
     folder = core_share.share_dir(str(tmp_path), "ns")
-    prefill = PrefillThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
+    prefill = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
     assert prefill.before_step() == 1
-    DecodeBusy(folder, "d", threads=1)
+    WorkerState(folder, "d", threads=1)
     assert prefill.before_step() == 1  # within LOOK_EVERY_S of the last look
     time.sleep(core_share.LOOK_EVERY_S * 2)
     assert prefill.before_step() == 2
