@@ -37,7 +37,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from sim import calibrate as cal

@@ -13,8 +13,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from services.common import core_share
 from services.common.core_share import StepThreads, WorkerState
 

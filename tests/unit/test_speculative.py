@@ -242,9 +242,9 @@ def test_the_plan_maximizes_expected_tokens_per_step_time():
             seqs = [_with_history(h, m) for h, m in hist]
             p = [spec.acceptance(s) for s in seqs]
 
-            def ratio(lengths):
+            def ratio(lengths, p=p, c=c):
                 tokens = sum(1 + sum(pi ** k for k in range(1, d + 1)) for pi, d in zip(p, lengths))
-                return tokens / (1 + c * (len(seqs) + sum(lengths)))
+                return tokens / (1 + c * (len(lengths) + sum(lengths)))
 
             best = max(ratio(ls) for ls in itertools.product(range(4), repeat=len(seqs)))
             assert ratio(spec.plan(seqs)) == pytest.approx(best, rel=1e-12), (c, hist)
