@@ -19,7 +19,8 @@ number of threads a step ran with. The rule and its measurements: docs/decisions
 the work is".
 
 The files live in ``<PD_SHM_DIR>/pdserve-cores-<namespace>/`` (one per model worker:
-``<instance>.json`` = ``{"pid", "role", "threads", "busy"}``), so workers of one deployment on one
+``<instance>.json`` = ``{"pid", "role", "threads", "busy", "since"}``, ``since`` on the host's
+monotonic clock, which every process of the host shares), so workers of one deployment on one
 host see each other and nothing else.
 """
 
@@ -30,10 +31,15 @@ import os
 import time
 from pathlib import Path
 
-#: Seconds between two looks at the other workers' files (a prefill step of a long prompt takes
-#: longer; a decode step takes about this long on a 2-core host, so a borrowed core goes back
-#: within about one step).
-LOOK_EVERY_S = 0.01
+#: Seconds between two looks at the other workers' files: about every decode step on a 2-core host
+#: (a look reads a few small files, ~50 us), so a borrowed core goes back within one step of its
+#: owner's next work.
+LOOK_EVERY_S = 0.002
+#: A worker lends its threads only once it has been idle this long: the short prompts of running
+#: streams pass through prefill in tens of milliseconds, and a core lent and taken back at each
+#: of them would make the borrower's steps contend at every switch (measured: docs/decisions.md,
+#: "Cores where the work is").
+LEND_AFTER_S = 0.05
 
 
 def share_dir(shm_dir: str, namespace: str) -> Path:
@@ -77,7 +83,8 @@ class WorkerState:
             return
         self.busy = busy
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "role": self.role, "threads": self.threads, "busy": busy}))
+        tmp.write_text(json.dumps({"pid": os.getpid(), "role": self.role, "threads": self.threads, "busy": busy,
+                                   "since": time.monotonic()}))
         os.replace(tmp, self.path)
 
     def close(self) -> None:
@@ -111,9 +118,10 @@ class StepThreads:
         self._looked = 0.0
 
     def lent(self) -> int:
-        """Threads of the other model workers on this host that are idle now (or whose process is
-        gone)."""
+        """Threads of the other model workers on this host that have been idle for
+        :data:`LEND_AFTER_S` (or whose process is gone)."""
         total = 0
+        now = time.monotonic()
         try:
             names = os.listdir(self.folder)
         except FileNotFoundError:
@@ -128,7 +136,7 @@ class StepThreads:
             if not _alive(int(state.get("pid", 0))):
                 (self.folder / name).unlink(missing_ok=True)  # its cores are free; a successor has a file of its own
                 total += int(state.get("threads", 0))
-            elif not state.get("busy"):
+            elif not state.get("busy") and now - float(state.get("since", 0.0)) >= LEND_AFTER_S:
                 total += int(state.get("threads", 0))
         return total
 

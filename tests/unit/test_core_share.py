@@ -13,12 +13,19 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from services.common import core_share
 from services.common.core_share import StepThreads, WorkerState
 
 
+@pytest.fixture(autouse=True)
+def _lend_at_once(monkeypatch):
+    monkeypatch.setattr(core_share, "LEND_AFTER_S", 0.0)  # test_lending_waits_for_a_settled_idle sets it
+
+
 def _look(p: StepThreads) -> int:
-    p._looked = 0.0  # as if LOOK_EVERY_S had passed
+    p._looked = -1e9  # as if LOOK_EVERY_S had passed
     return p.before_step()
 
 
@@ -60,6 +67,21 @@ def test_decode_borrows_an_idle_prefill_workers_threads_and_gives_them_back(tmp_
     assert _look(decode) == 1  # a worker that left (drained) lends nothing: its file is gone
 
 
+def test_lending_waits_for_a_settled_idle(tmp_path, monkeypatch):
+    """A worker idle for less than LEND_AFTER_S lends nothing (a short prompt passing through
+    prefill must not flip the decode worker's threads); a dead one lends at once."""
+    monkeypatch.setattr(core_share, "LEND_AFTER_S", 0.2)
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    other = WorkerState(folder, "prefill-0-aa", threads=1, role="prefill")
+    me = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
+    assert _look(me) == 1  # idle only just now
+    time.sleep(0.25)
+    assert _look(me) == 2
+    other.set(True)
+    other.set(False)
+    assert _look(me) == 1  # idle again, but not yet for long
+
+
 def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path):
     folder = core_share.share_dir(str(tmp_path), "ns")
     folder.mkdir(parents=True)
@@ -71,7 +93,8 @@ def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path)
     assert not (folder / "decode-0-dead.json").exists()
 
 
-def test_looks_are_rate_limited(tmp_path):
+def test_looks_are_rate_limited(tmp_path, monkeypatch):
+    monkeypatch.setattr(core_share, "LOOK_EVERY_S", 0.3)  # long enough for a loaded machine's file writes
     folder = core_share.share_dir(str(tmp_path), "ns")
     prefill = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
     assert prefill.before_step() == 1
