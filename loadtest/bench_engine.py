@@ -15,7 +15,10 @@ transformers — all in one run (ratios are what counts on a shared, noisy machi
 5. through HTTP in one run, at concurrency 1, 8 and 32: ITL p50, TTFT p50 and output tokens/s
    of pdserve's full pipeline (``pdserve up`` defaults), llama.cpp's server on the same GGUF file
    (found as :func:`loadtest.baselines.find_llama_server` says, or built with ``--build-llama``)
-   and plain transformers ``generate``.
+   and plain transformers ``generate``;
+7. 16 long prompts at once (100..5,700 words, 12 tokens each) through both servers: the last
+   answer's time, TTFT and decode ITL (:mod:`loadtest.bench_longmix`; issue 29: at most 0.7x
+   llama.cpp's wall time, ITL p99 at most 100 ms); ``--skip-long-mix`` leaves it out.
 
 Targets (issue 12): batch-1 step within 1.5× the roofline of the bytes it reads; batch 64 at
 least 50% of the compute roofline; ITL p50 at concurrency 1 at most llama.cpp's; output tokens/s
@@ -234,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench engine")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--quick", action="store_true", help="fewer steps and requests")
-    p.add_argument("--skip-http", action="store_true", help="skip the HTTP comparison (part 5)")
+    p.add_argument("--skip-http", action="store_true", help="skip the HTTP comparisons (parts 5 and 7)")
+    p.add_argument("--skip-long-mix", action="store_true", help="skip the long-prompt burst (part 7)")
     p.add_argument("--build-llama", action="store_true",
                    help="build llama.cpp's llama-server first when none is found (about 12 minutes on 2 cores)")
     args = p.parse_args(argv or [])
@@ -267,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmodel {served_model_name(settings)} ({folder}), {params / 1e6:.1f} M parameters, {dtype}, "
           f"weights {weight_bytes / 1e6:.0f} MB, KV {kv_per_token / 1024:.1f} KiB/token, attention {attention}, "
           f"{threads} threads")
+    from loadtest.bench_cores import cpu_line
+
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
     print("\n1. machine")
+    print(f"   {cpu_line()}; load average {load}")
     print(f"   memory read bandwidth   {bw:8.1f} GB/s")
     print(f"   fp32 matmul             {fp32:8.1f} GFLOP/s")
     print(f"   bf16 matmul             {bf16:8.1f} GFLOP/s   (this run: {str(dtype).removeprefix('torch.')}; "
@@ -332,4 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.bench_http import http_rates, print_http
 
         print_http(http_rates(settings, threads, args.quick))
+    if not args.skip_http and not args.skip_long_mix:
+        from loadtest.bench_longmix import long_mix, print_long_mix
+
+        print("\n7. long prompts at once, through HTTP, one run")
+        print_long_mix(long_mix(settings, threads), 16, 100, 5700, 12)
     return 0

@@ -17,7 +17,7 @@ BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench
               "sim-validate": "sim_oos", "sim-fit-replay": "sim_validate", "cancel": "bench_cancel",
               "invariant": "experiments.bench_invariant", "block-kernel": "experiments.bench_block_kernel",
               "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar",
-              "spec": "bench_spec", "cores": "bench_cores"}
+              "spec": "bench_spec", "cores": "bench_cores", "longmix": "bench_longmix"}
 
 
 def bench(argv: list[str]) -> int:
