@@ -302,16 +302,19 @@ class Speculator:
         ``k``). Sequences opted out (``"speculative": false``) get none."""
         c = self.config.row_cost
         tokens, cost = float(len(decoding)), 1.0 + c * len(decoding)
+        lengths = [0] * len(decoding)
+        accept = [self.acceptance(seq) if seq.sampling.speculative else 0.0 for seq in decoding]
+        if not accept or max(accept) * cost <= c * tokens:
+            return lengths  # not even the likeliest first draft pays (a large batch): no sorting
         candidates = []
-        for i, seq in enumerate(decoding):
-            if not seq.sampling.speculative:
+        for i, p in enumerate(accept):
+            if p == 0.0:
                 continue
-            p, gain = self.acceptance(seq), 1.0
+            gain = 1.0
             for k in range(1, self.config.num_tokens + 1):
                 gain *= p
                 candidates.append((-gain, k, i))
         candidates.sort()
-        lengths = [0] * len(decoding)
         for neg_gain, k, i in candidates:
             gain = -neg_gain
             if gain * cost <= c * tokens:
