@@ -78,7 +78,7 @@ class SpeculativeConfig:
         max_batch: most decoding sequences in a step for which drafts are made (0: no limit; the
             expected-gain rule of :meth:`Speculator.plan` decides below it).
         row_cost: the time one more row adds to a decode step, as a fraction of the step's fixed
-            cost (``pdserve bench spec --crossover`` measures it: 0.2-0.27 on a 2-vCPU Zen 4).
+            cost (``pdserve bench spec --crossover`` measures it: 0.16-0.32 on a 2-vCPU Zen 4).
         draft_model: the draft model's local folder (``method="draft"`` only).
     """
 

@@ -171,7 +171,7 @@ class Settings:
     )
     speculative_row_cost: float = _doc(
         "What one more row adds to a decode step, as a fraction of the step's fixed cost (measured by "
-        "pdserve bench spec --crossover; 0.2-0.27 on a 2-vCPU Zen 4). Each step drafts, most likely "
+        "pdserve bench spec --crossover; 0.16-0.32 on a 2-vCPU Zen 4). Each step drafts, most likely "
         "draft first, only while a draft's chance of acceptance times the step's cost beats this times "
         "the step's expected tokens: one stream drafts above ~20 % acceptance, 32 sequences only above "
         "~90 % (docs/decisions.md).",
