@@ -404,7 +404,6 @@ class LLMEngine:
         self.speculator.record(seq, item.num_draft_tokens, accepted)
 
     def _finish(self, seq: Sequence, reason: str | None) -> None:
-        self.stats.num_finished += 1
         self.sequences.pop(seq.request_id, None)
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:

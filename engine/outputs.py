@@ -56,8 +56,6 @@ class EngineStats:
     step_seconds: float = 0.0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
-    #: sequences finished (on a prefill worker: prompts handed to decode)
-    num_finished: int = 0
     #: speculative decoding (engine/speculative.py): verification items, drafts, accepted drafts
     num_spec_steps: int = 0
     num_draft_tokens: int = 0

@@ -66,6 +66,7 @@ async def _burst(url: str, model: str, texts: list[str], max_tokens: int) -> dic
                                                   timeout_s=1800) for t in texts))
         wall = time.perf_counter() - started
         hop = []  # pdserve's KV hand-off per request (its /debug/timeline phases), ms
+        phases: list[dict] = []
         for r in results:
             if r.ok and r.request_id:
                 resp = await client.get(f"/debug/timeline/{r.request_id}")
@@ -74,6 +75,7 @@ async def _burst(url: str, model: str, texts: list[str], max_tokens: int) -> dic
                 tl = resp.json()
                 ph = {x["phase"]: x["ms"] for x in ((tl.get("choices") or [{}])[0].get("phases") or [])}
                 hop.append(sum(ph.get(k, 0.0) for k in HOP_PHASES))
+                phases.append(ph)
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.itls]
     later = [g for r in ok for g in r.itls[1:]]  # without each answer's first gap (the hand-off's)
@@ -81,6 +83,7 @@ async def _burst(url: str, model: str, texts: list[str], max_tokens: int) -> dic
     return {"wall_s": wall, "ok": len(ok), "failed": len(results) - len(ok),
             "later_itl_p99_ms": (percentile(later, 99) or float("nan")) * 1e3,
             "hop_p50_ms": statistics.median(hop) if hop else float("nan"), "hop_max_ms": max(hop) if hop else float("nan"),
+            "hop_phases_max_ms": {k: max(ph.get(k, 0.0) for ph in phases) for k in HOP_PHASES} if phases else {},
             "errors": sorted({r.error[:120] for r in results if not r.ok}),
             "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
             "ttft_max_s": max(ttfts) if ttfts else float("nan"),
@@ -146,6 +149,9 @@ def print_long_mix(rows, n: int, min_words: int, max_words: int, max_tokens: int
               f"{f['itl_p50_ms']:>10.1f} {f['itl_p99_ms']:>10.1f} {f['later_itl_p99_ms']:>11.1f} {hop:>15} "
               f"{f['failed']:>6}  {' '.join(f['errors'])}")
     ours = figures.get("pdserve up")
+    if ours and ours.get("hop_phases_max_ms"):
+        print("   pdserve's hand-off, the longest of each phase: "
+              + ", ".join(f"{k} {v:.0f} ms" for k, v in ours["hop_phases_max_ms"].items()))
     theirs = next((f for s, f in figures.items() if s.startswith("llama.cpp")), None)
     if ours and theirs:
         ratio = ours["wall_s"] / theirs["wall_s"]

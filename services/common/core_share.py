@@ -40,11 +40,6 @@ LOOK_EVERY_S = 0.002
 #: of them would make the borrower's steps contend at every switch (measured: docs/decisions.md,
 #: "Cores where the work is").
 LEND_AFTER_S = 0.05
-#: After a prefill step that finished a prompt, the prefill worker borrows nothing for this long:
-#: the decode worker that takes the prompt is idle until its KV is read and imported, and a prefill
-#: step on its borrowed core would slow exactly that hand-off (measured: the hop of a 5,900-token
-#: prompt, docs/decisions.md "Cores where the work is").
-HANDOFF_HOLD_S = 0.5
 
 
 def share_dir(shm_dir: str, namespace: str) -> Path:
@@ -121,12 +116,6 @@ class StepThreads:
         self.own = own.name if own is not None else None
         self.current = self.base
         self._looked = 0.0
-        self._hold_until = 0.0
-
-    def hold(self, seconds: float) -> None:
-        """Borrow nothing for ``seconds`` from now (back to the worker's own share at the next step)."""
-        self._hold_until = time.monotonic() + seconds
-        self._looked = -1e9  # look again at the next step
 
     def lent(self) -> int:
         """Threads of the other model workers on this host that have been idle for
@@ -156,7 +145,7 @@ class StepThreads:
         now = time.monotonic()
         if now - self._looked >= LOOK_EVERY_S:
             self._looked = now
-            want = self.base if now < self._hold_until else min(self.max_threads, self.base + self.lent())
+            want = min(self.max_threads, self.base + self.lent())
             if want != self.current:
                 self.set_threads(want)
                 self.current = want

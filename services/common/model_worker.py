@@ -78,10 +78,7 @@ class ModelWorker(Worker):
             self.worker_state = core_share.WorkerState(folder, self.settings.instance_id, threads, self.stage)
             on_busy = self.worker_state.set
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            step_threads = core_share.StepThreads(folder, threads, cpus, own=self.worker_state.path)
-            before_step = step_threads.before_step
-            if self.stage == "prefill":
-                before_step = _hold_after_handoff(self.engine, step_threads)
+            before_step = core_share.StepThreads(folder, threads, cpus, own=self.worker_state.path).before_step
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_step_error,
                                       self.metrics, step_log=log,
                                       header={"stage": self.stage, "instance": self.settings.instance_id,
@@ -179,20 +176,3 @@ class ModelWorker(Worker):
         self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
         self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "store").inc(imported * self.settings.block_size)
         return imported * self.settings.block_size
-
-
-def _hold_after_handoff(engine, step_threads):
-    """A prefill worker's before-step hook: after a step that finished a prompt (handed it to a
-    decode worker), borrow no threads for ``core_share.HANDOFF_HOLD_S`` (the decode worker is idle
-    while it imports that prompt's KV, and must not import beside a prefill step on its core)."""
-    from services.common import core_share
-
-    seen = [engine.stats.num_finished]
-
-    def before_step() -> int:
-        if engine.stats.num_finished != seen[0]:
-            seen[0] = engine.stats.num_finished
-            step_threads.hold(core_share.HANDOFF_HOLD_S)
-        return step_threads.before_step()
-
-    return before_step

@@ -82,26 +82,6 @@ def test_lending_waits_for_a_settled_idle(tmp_path, monkeypatch):
     assert _look(me) == 1  # idle again, but not yet for long
 
 
-def test_a_prefill_worker_holds_its_share_after_a_handoff(tmp_path):
-    """After a step that finished a prompt, a prefill worker borrows nothing for HANDOFF_HOLD_S, even
-    from an idle decode worker (that worker is about to import the prompt's KV)."""
-    from types import SimpleNamespace
-
-    from services.common.model_worker import _hold_after_handoff
-
-    folder = core_share.share_dir(str(tmp_path), "ns")
-    WorkerState(folder, "decode-0-aa", threads=1, role="decode")  # idle
-    threads = StepThreads(folder, base=1, max_threads=2, set_threads=lambda n: None)
-    engine = SimpleNamespace(stats=SimpleNamespace(num_finished=0))
-    before_step = _hold_after_handoff(engine, threads)
-    assert before_step() == 2
-    engine.stats.num_finished = 1  # the last step handed a prompt to decode
-    assert before_step() == 1
-    threads._hold_until = 0.0  # the hold is over
-    threads._looked = -1e9
-    assert before_step() == 2
-
-
 def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path):
     folder = core_share.share_dir(str(tmp_path), "ns")
     folder.mkdir(parents=True)
