@@ -61,7 +61,7 @@ HISTORY_DECAY = 0.8
 #: sequence tries again after some tens of tokens (as the prior pulls its estimate back up).
 IDLE_DECAY = 0.95
 #: The estimate's prior, worth one trial: p = 2/3 before any verification (prompt lookup's acceptance
-#: on the copy-heavy and the open-ended workloads of `pdserve bench spec`, 63-66 %). Worth no more, so
+#: on the copy-heavy and the open-ended workloads of `pdserve bench spec`, 63-67 %). Worth no more, so
 #: that a few rejections bring p below what one stream's step needs (about 0.2; with the decay, the
 #: history holds at most ~5 trials).
 PRIOR_HITS, PRIOR_MISSES = 2.0 / 3.0, 1.0 / 3.0
@@ -247,7 +247,12 @@ class Speculator:
 
     def propose(self, running: Iterable[Sequence]) -> int:
         """Set ``draft_token_ids`` of every sequence in ``running`` (empty for those not drafting
-        this step); returns the number of sequences with drafts."""
+        this step); returns the number of sequences with drafts.
+
+        Prompt lookup runs first (it is cheap), for the sequences whose first draft could pay at
+        all, so that :meth:`plan` weighs only drafts that exist (none past ``max_tokens`` or the
+        context, none the grammar forbids, none where the lookup found nothing); a draft model runs
+        after the plan, for the lengths it chose."""
         running = list(running)
         decoding = [s for s in running if _is_decoding(s)]
         for seq in running:
@@ -256,17 +261,29 @@ class Speculator:
             self.draft_model.forget(s.request_id for s in running)
         if self.config.max_batch and len(decoding) > self.config.max_batch:
             return 0
-        count = 0
-        for seq, want in zip(decoding, self.plan(decoding)):
-            room = min(want,
+        c = self.config.row_cost
+        tokens, cost = float(len(decoding)), 1.0 + c * len(decoding)
+        drafts: list[list[int] | None] = []  # looked up (ngram), or None: the draft model's, after the plan
+        caps: list[int] = []
+        for seq in decoding:
+            room = min(self.config.num_tokens,
                        seq.sampling.max_tokens - seq.num_output_tokens - 1,  # the pick after them
                        self.max_model_len - seq.num_tokens)  # positions of the drafts' KV
-            draft: list[int] = []
-            if room > 0:
-                draft = (self.draft_model.propose(seq.request_id, seq.token_ids, room) if self.draft_model is not None
-                         else self.proposer.propose(seq.token_ids, room))
-            if draft and seq.matcher is not None:  # drafts the grammar forbids would be rejected anyway
-                draft = draft[: seq.matcher.validate_tokens(draft)]
+            if not seq.sampling.speculative or room <= 0 or self.acceptance(seq) * cost <= c * tokens:
+                drafts.append([])  # not even its likeliest draft could pay (or none may be made)
+                caps.append(0)
+            elif self.draft_model is None:
+                draft = self._allowed(seq, self.proposer.propose(seq.token_ids, room))
+                drafts.append(draft)
+                caps.append(len(draft))
+            else:
+                drafts.append(None)
+                caps.append(room)
+        count = 0
+        for seq, want, draft in zip(decoding, self.plan(decoding, caps), drafts):
+            if want > 0 and draft is None:
+                draft = self._allowed(seq, self.draft_model.propose(seq.request_id, seq.token_ids, want))
+            draft = (draft or [])[:want]
             if draft:
                 seq.draft_token_ids = draft
                 count += 1
@@ -274,6 +291,13 @@ class Speculator:
                 seq.spec_hits *= IDLE_DECAY
                 seq.spec_misses *= IDLE_DECAY
         return count
+
+    @staticmethod
+    def _allowed(seq: Sequence, draft: list[int]) -> list[int]:
+        """``draft`` cut before the first token its grammar forbids (it would be rejected anyway)."""
+        if draft and seq.matcher is not None:
+            return draft[: seq.matcher.validate_tokens(draft)]
+        return draft
 
     def release(self, request_id: str) -> None:
         """A sequence finished or was aborted: its draft model cache (if any) goes now."""
@@ -289,8 +313,9 @@ class Speculator:
         down by :data:`HISTORY_DECAY` each."""
         return (seq.spec_hits + PRIOR_HITS) / (seq.spec_hits + seq.spec_misses + PRIOR_HITS + PRIOR_MISSES)
 
-    def plan(self, decoding: Seq[Sequence]) -> list[int]:
-        """Drafts to ask for, per sequence of this step's decoding ones (0: none).
+    def plan(self, decoding: Seq[Sequence], caps: Seq[int] | None = None) -> list[int]:
+        """Drafts to ask for, per sequence of this step's decoding ones (0: none); ``caps[i]``, when
+        given, is the most sequence ``i`` can have (the drafts that exist for it).
 
         A step of ``R`` rows costs ``1 + c R`` (``c`` = ``row_cost``, in units of the step's fixed
         cost); a sequence's ``k``-th draft adds ``p ** k`` expected tokens (:meth:`acceptance`).
@@ -311,7 +336,7 @@ class Speculator:
             if p == 0.0:
                 continue
             gain = 1.0
-            for k in range(1, self.config.num_tokens + 1):
+            for k in range(1, min(self.config.num_tokens, caps[i] if caps is not None else self.config.num_tokens) + 1):
                 gain *= p
                 candidates.append((-gain, k, i))
         candidates.sort()

@@ -179,8 +179,10 @@ def crossover(engine, batches=(1, 2, 4, 8, 16, 32), drafts=(0, 4), context: int 
             engine.speculator = speculator if d else None
             if d:
                 speculator.proposer.propose = lambda token_ids, n, d=d: [token_ids[-1] ^ 1] * min(d, n)
-                speculator.plan = lambda decoding, d=d: [d] * len(decoding)
-                speculator.config = type(speculator.config)(**{**_fields(speculator.config), "max_batch": 0})
+                speculator.plan = lambda decoding, caps=None, d=d: [d] * len(decoding)
+                # every sequence drafts: no cap, and a row cost that lets any first draft pay
+                speculator.config = type(speculator.config)(**{**_fields(speculator.config), "max_batch": 0,
+                                                                "row_cost": 1e-9})
             sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
             for b in range(batch):
                 engine.add_request(f"x{batch}-{d}-{b}", [(7 * b + i) % 40000 + 100 for i in range(context)], sp)

@@ -7,8 +7,9 @@ being prefilled. But a worker that is busy must not lose its core to another tha
 it (every parallel region of its step would wait at a barrier for a descheduled thread:
 docs/decisions.md, "Threads per model worker"). So each model worker publishes, in a small file
 on the host's tmpfs, whether it has work and how many threads it runs (:class:`WorkerState`);
-before each engine step it sets its torch threads to its own share plus the threads of the other
-model workers of its host that are idle (or dead), never more than the CPUs it may run on
+before each engine step it sets its torch threads to its own share plus its part of the threads of
+the other model workers of its host that are idle (or dead) — split evenly among the workers that
+are busy, so that no thread is borrowed twice — never more than the CPUs it may run on
 (:class:`StepThreads`). Prefill borrows an idle decode worker's cores for a long prompt; decode
 borrows an idle prefill worker's cores for its steps; a worker that gets work back takes its
 cores back at its next step, and the borrower gives them back at its next look (at most
@@ -118,9 +119,11 @@ class StepThreads:
         self._looked = 0.0
 
     def lent(self) -> int:
-        """Threads of the other model workers on this host that have been idle for
-        :data:`LEND_AFTER_S` (or whose process is gone)."""
-        total = 0
+        """Threads this worker may borrow now: the shares of the host's other model workers that
+        have been idle for :data:`LEND_AFTER_S` (or whose process is gone), split evenly among the
+        workers that are busy (this one and the others, in the order of their file names, the
+        first ones taking the remainder), so that two borrowers never take the same thread."""
+        idle, borrowers = 0, [self.own or ""]
         now = time.monotonic()
         try:
             names = os.listdir(self.folder)
@@ -131,14 +134,22 @@ class StepThreads:
                 continue
             try:
                 state = json.loads((self.folder / name).read_text())
-            except (OSError, ValueError):
-                continue  # being replaced, or gone
-            if not _alive(int(state.get("pid", 0))):
+                pid, threads = int(state["pid"]), int(state.get("threads", 0))
+                busy, since = bool(state.get("busy")), float(state.get("since") or 0.0)
+            except (OSError, ValueError, TypeError, KeyError):
+                continue  # being replaced, gone, or not a state file
+            if pid <= 0:
+                continue
+            if not _alive(pid):
                 (self.folder / name).unlink(missing_ok=True)  # its cores are free; a successor has a file of its own
-                total += int(state.get("threads", 0))
-            elif not state.get("busy") and now - float(state.get("since", 0.0)) >= LEND_AFTER_S:
-                total += int(state.get("threads", 0))
-        return total
+                idle += threads
+            elif busy:
+                borrowers.append(name)
+            elif now - since >= LEND_AFTER_S:
+                idle += threads
+        borrowers.sort()
+        rank = borrowers.index(self.own or "")
+        return idle // len(borrowers) + (1 if rank < idle % len(borrowers) else 0)
 
     def before_step(self) -> int:
         """Set the threads for the next step; returns them."""

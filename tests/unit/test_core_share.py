@@ -36,12 +36,12 @@ def test_prefill_threads_follow_the_decode_workers(tmp_path):
     assert _look(prefill) == 1 and applied == []  # no decode worker on this host: its own share
     a, b = WorkerState(folder, "decode-0-aa", threads=1), WorkerState(folder, "decode-1-bb", threads=2)
     assert _look(prefill) == 4 and applied == [4]  # both idle: 1 + 1 + 2
-    a.set(True)
-    assert _look(prefill) == 3
+    a.set(True)  # a decodes, and may borrow too: b's two threads are split between a and the prefill worker
+    assert _look(prefill) == 2
     b.set(True)
     assert _look(prefill) == 1
     b.set(False)
-    assert _look(prefill) == 3 and applied == [4, 3, 1, 3]
+    assert _look(prefill) == 2 and applied == [4, 2, 1, 2]
     capped = StepThreads(folder, base=1, max_threads=2, set_threads=applied.append)
     assert _look(capped) == 2  # never more threads than its CPUs
     a.close()
@@ -80,6 +80,35 @@ def test_lending_waits_for_a_settled_idle(tmp_path, monkeypatch):
     other.set(True)
     other.set(False)
     assert _look(me) == 1  # idle again, but not yet for long
+
+
+def test_no_thread_is_borrowed_twice(tmp_path):
+    """Three model workers of one thread each on two CPUs: whichever are busy, the threads they run
+    add up to at most the host's (two busy workers split one idle worker's thread, never both
+    take it), and each idle thread goes to exactly one borrower."""
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    names = ["prefill-0-aa", "decode-0-bb", "decode-1-cc"]
+    states = {n: WorkerState(folder, n, threads=1) for n in names}
+    steppers = {n: StepThreads(folder, base=1, max_threads=2, set_threads=lambda k: None, own=states[n].path)
+                for n in names}
+    for busy in ([names[0]], names[:2], names[1:], [names[0], names[2]], names):
+        for n in names:
+            states[n].set(n in busy)
+        threads = {n: _look(steppers[n]) for n in busy}
+        borrowed = sum(t - 1 for t in threads.values())
+        idle = len(names) - len(busy)
+        assert all(t <= 2 for t in threads.values()), (busy, threads)  # never more than its CPUs
+        assert borrowed == (min(idle, 1) if len(busy) == 1 else idle), (busy, threads)  # each idle thread once
+
+
+def test_malformed_state_files_are_skipped(tmp_path):
+    folder = core_share.share_dir(str(tmp_path), "ns")
+    folder.mkdir(parents=True)
+    (folder / "a.json").write_text(json.dumps({"pid": os.getpid(), "threads": 1, "busy": False, "since": None}))
+    (folder / "b.json").write_text(json.dumps({"threads": 1, "busy": False}))  # no pid: not a worker's file
+    (folder / "c.json").write_text(json.dumps(["not", "a", "state"]))
+    me = StepThreads(folder, base=1, max_threads=4, set_threads=lambda n: None)
+    assert _look(me) == 2  # only a (an older file: no since, lent at once)
 
 
 def test_a_dead_busy_decode_worker_lends_its_threads_and_its_file_goes(tmp_path):

@@ -276,6 +276,21 @@ def test_drafts_follow_acceptance_and_batch_size():
     assert spec.plan([_with_history(50, 0, speculative=False)]) == [0]
 
 
+def test_the_plan_weighs_only_drafts_that_exist():
+    """Neighbours whose lookup finds nothing (or that are at max_tokens) take no share of the step's
+    drafting: a copying sequence beside them drafts what it would if they had no history at all."""
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=8, row_cost=0.25), max_model_len=1000)
+    copying, lost, done = _with_history(10, 1), _with_history(0, 0), _with_history(0, 0)  # p = 0.89
+    done.sampling = SamplingParams(max_tokens=done.num_output_tokens + 1)  # only the pick is left
+    for seq in (copying, lost, done):
+        seq.num_computed_tokens = seq.num_tokens - 1
+    spec.proposer.propose = lambda token_ids, n: [1] * n if token_ids is copying.token_ids else []
+    spec.propose([copying, lost, done])
+    alone = spec.plan([copying, lost, done], [8, 0, 0])[0]
+    assert len(copying.draft_token_ids) == alone > spec.plan([copying, lost, done])[0]
+    assert lost.draft_token_ids == [] and done.draft_token_ids == []
+
+
 def test_ngram_proposer():
     p = NgramProposer(2, 3)
     # the last 3 tokens (7, 8, 9) occurred at 1..3; the draft is what followed them
