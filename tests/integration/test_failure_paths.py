@@ -169,7 +169,7 @@ def test_backlog_in_jetstream_over_max_queued_tasks_gets_429_and_loses_nothing(f
 @pytest.fixture
 def broken_store(fragile):
     """The shared-memory store's folders replaced by files: every write fails (even as root)."""
-    root = next(d for d in (fragile.state_dir.parent / "shm").iterdir() if d.name.startswith("pdserve-"))
+    root = next(d for d in (fragile.state_dir.parent / "shm").iterdir() if (d / "blk").is_dir())  # not pdserve-cores-*
     saved = []
     for kind in ("blk", "tail"):
         shutil.rmtree(root / kind)
