@@ -261,15 +261,14 @@ class Speculator:
             self.draft_model.forget(s.request_id for s in running)
         if self.config.max_batch and len(decoding) > self.config.max_batch:
             return 0
-        c = self.config.row_cost
-        tokens, cost = float(len(decoding)), 1.0 + c * len(decoding)
+        need = self.first_draft_needs(len(decoding))
         drafts: list[list[int] | None] = []  # looked up (ngram), or None: the draft model's, after the plan
         caps: list[int] = []
         for seq in decoding:
             room = min(self.config.num_tokens,
                        seq.sampling.max_tokens - seq.num_output_tokens - 1,  # the pick after them
                        self.max_model_len - seq.num_tokens)  # positions of the drafts' KV
-            if not seq.sampling.speculative or room <= 0 or self.acceptance(seq) * cost <= c * tokens:
+            if not seq.sampling.speculative or room <= 0 or self.acceptance(seq) <= need:
                 drafts.append([])  # not even its likeliest draft could pay (or none may be made)
                 caps.append(0)
             elif self.draft_model is None:
@@ -313,6 +312,13 @@ class Speculator:
         down by :data:`HISTORY_DECAY` each."""
         return (seq.spec_hits + PRIOR_HITS) / (seq.spec_hits + seq.spec_misses + PRIOR_HITS + PRIOR_MISSES)
 
+    def first_draft_needs(self, num_decoding: int) -> float:
+        """The acceptance a sequence's first draft needs to pay in a step of ``num_decoding``
+        decoding sequences and no drafts yet: its expected token per ``row_cost`` must beat the plain
+        step's tokens per cost, ``p / c > n / (1 + c n)``, i.e. ``p > c n / (1 + c n)``."""
+        c = self.config.row_cost
+        return c * num_decoding / (1.0 + c * num_decoding)
+
     def plan(self, decoding: Seq[Sequence], caps: Seq[int] | None = None) -> list[int]:
         """Drafts to ask for, per sequence of this step's decoding ones (0: none); ``caps[i]``, when
         given, is the most sequence ``i`` can have (the drafts that exist for it).
@@ -329,7 +335,7 @@ class Speculator:
         tokens, cost = float(len(decoding)), 1.0 + c * len(decoding)
         lengths = [0] * len(decoding)
         accept = [self.acceptance(seq) if seq.sampling.speculative else 0.0 for seq in decoding]
-        if not accept or max(accept) * cost <= c * tokens:
+        if not accept or max(accept) <= self.first_draft_needs(len(decoding)):
             return lengths  # not even the likeliest first draft pays (a large batch): no sorting
         candidates = []
         for i, p in enumerate(accept):
