@@ -57,7 +57,7 @@ def prompts(n: int, min_words: int, max_words: int, seed: int = 29) -> list[str]
 async def _burst(url: str, model: str, texts: list[str], max_tokens: int) -> dict:
     import httpx
 
-    from loadtest.client import RequestSpec, percentile, send_one
+    from loadtest.client import RequestSpec, first_choice_timeline, percentile, send_one
 
     limits = httpx.Limits(max_connections=len(texts) + 4, max_keepalive_connections=len(texts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
@@ -68,14 +68,12 @@ async def _burst(url: str, model: str, texts: list[str], max_tokens: int) -> dic
         hop = []  # pdserve's KV hand-off per request (its /debug/timeline phases), ms
         phases: list[dict] = []
         for r in results:
-            if r.ok and r.request_id:
-                resp = await client.get(f"/debug/timeline/{r.request_id}")
-                if resp.status_code != 200:
-                    continue  # another server (llama.cpp has no timelines)
-                tl = resp.json()
-                ph = {x["phase"]: x["ms"] for x in ((tl.get("choices") or [{}])[0].get("phases") or [])}
-                hop.append(sum(ph.get(k, 0.0) for k in HOP_PHASES))
-                phases.append(ph)
+            choice = await first_choice_timeline(client, r)
+            if choice is None:
+                continue  # another server (llama.cpp has no timelines)
+            ph = {x["phase"]: x["ms"] for x in choice.get("phases") or []}
+            hop.append(sum(ph.get(k, 0.0) for k in HOP_PHASES))
+            phases.append(ph)
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.itls]
     later = [g for r in ok for g in r.itls[1:]]  # without each answer's first gap (the hand-off's)

@@ -214,18 +214,15 @@ async def _http_rows(url: str, model: str, workloads: dict, many: list[str], max
 
     import httpx
 
-    from loadtest.client import RequestSpec, send_one
+    from loadtest.client import RequestSpec, first_choice_timeline, send_one
 
     async def one(client, prompt: str, speculate: bool):
         extra = {} if speculate else {"speculative": False}
         r = await send_one(client, model, RequestSpec(0, prompt, max_tokens, chat=True), extra=extra)
         if not r.ok:
             raise RuntimeError(f"request failed: {r.error}")
-        spec = None
-        if speculate and r.request_id:
-            tl = (await client.get(f"/debug/timeline/{r.request_id}")).json()
-            spec = (tl.get("choices") or [{}])[0].get("speculation")
-        return r, spec
+        choice = await first_choice_timeline(client, r) if speculate else None
+        return r, (choice or {}).get("speculation")
 
     rows = []
     async with httpx.AsyncClient(base_url=url, timeout=600,

@@ -173,6 +173,17 @@ async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, ext
     return result
 
 
+async def first_choice_timeline(client: httpx.AsyncClient, result: RequestResult) -> dict | None:
+    """The first choice of a pdserve request's ``/debug/timeline`` (its phases, speculation, ...),
+    or None when the server has none for it (another server, no request id, or forgotten)."""
+    if not result.ok or not result.request_id:
+        return None
+    resp = await client.get(f"/debug/timeline/{result.request_id}")
+    if resp.status_code != 200:
+        return None
+    return (resp.json().get("choices") or [{}])[0]
+
+
 async def run_workload(url: str, model: str, specs: Sequence[RequestSpec], *, concurrency: int | None = None,
                        extra: dict | None = None, progress: bool = True, timeout_s: float = 600.0
                        ) -> tuple[list[RequestResult], float]:
