@@ -92,3 +92,53 @@ def test_attainment_counts_each_request(tmp_path):
 def test_unknown_trace_is_refused():
     with pytest.raises(ValueError, match="unknown trace"):
         sim_oos.workload("nope", 1.0, argparse.Namespace(requests=4, short=8, long=16, output_tokens=4))
+
+
+def test_noise_floor_and_resolved_ranking():
+    # two modes, three repeats each: TTFT p90 of aggregated always below disaggregated's
+    # (resolved); their ITL p90 repeats interleave (unresolved: noise decides)
+    measured = {
+        "aggregated|mix|1|0": _summary(1.0, 0.010), "aggregated|mix|1|1": _summary(1.1, 0.012),
+        "aggregated|mix|1|2": _summary(1.5, 0.011),
+        "disaggregated|mix|1|0": _summary(2.0, 0.011), "disaggregated|mix|1|1": _summary(2.1, 0.0105),
+        "disaggregated|mix|1|2": _summary(2.2, 0.013),
+    }
+    agree = sim_oos.repeat_agreement(measured, 0.15)
+    # aggregated TTFT: 1.0 vs median(1.1, 1.5)=1.3 (30 % off: miss), 1.1 vs 1.25 (14 %: hit),
+    # 1.5 vs 1.05 (30 %: miss)
+    assert agree[("ttft", "p50")] == [1 + 3, 6]
+    assert agree[("all", "p50+p90")][1] == 6 * 4
+    good = {k: _summary(1.0 if k.startswith("agg") else 2.0, 0.02) for k in measured}
+    bad = {k: _summary(3.0 if k.startswith("agg") else 2.0, 0.0) for k in measured}
+    for pred, want in ((good, True), (bad, False)):
+        res = {g["metric"]: g for g in sim_oos.resolved_ranking(measured, pred)}
+        assert res["ttft"]["resolved"] == 1 and res["ttft"]["right"] is want
+        assert res["itl"]["resolved"] == 0 and res["itl"]["right"]  # nothing to get wrong
+    rows = sim_oos.rows(measured, good, "aggregated|mix|1|0")
+    ranks = sim_oos.ranking(measured, good, "aggregated|mix|1|0", tie=0.05)
+    text = sim_oos.report(rows, ranks, 0.15, measured, good, dev_repeats=(0,))
+    assert "held out — repeats other than 0" in text and "noise floor" in text
+    assert "1 of 2 pairs unresolved" in text
+
+
+def test_pipeline_is_fitted_on_the_runs_unqueued_short_requests():
+    from dataclasses import replace
+
+    from sim.simulator import Simulation, Topology
+    from tests.unit.test_sim import _profile
+
+    prof = _profile()
+    topo = Topology(mode="disaggregated", prefill=1, decode=1)
+    # two short prompts far apart (unqueued), a long one, then a burst of shorts behind it (queued)
+    reqs = [trace.SimRequest(0, 0.0, 32, 8), trace.SimRequest(1, 50.0, 32, 8), trace.SimRequest(2, 100.0, 4096, 8)]
+    reqs += [trace.SimRequest(3 + i, 100.01 + 0.001 * i, 32, 8) for i in range(3)]
+    sim = Simulation(topo, replace(prof, pipeline_s=0.0)).run(reqs)
+    # measured: the model's TTFT plus 70 ms for the unqueued, plus 3 s for the long one and the
+    # queued ones (an error of the prefill, not the pipeline's)
+    results = []
+    for i, r in enumerate(reqs):
+        ttft = sim.first[i] - sim.arrival[i]
+        results.append({"sent_at": 1000 + r.arrival_s, "ok": True, "ttft_s": ttft + (0.07 if i < 2 else 3.0)})
+    assert sim_oos.pipeline_from_run(prof, topo, reqs, results) == pytest.approx(0.07)
+    assert sim_oos.pipeline_from_run(prof, topo, reqs, results[:5]) is None  # not the run's requests
+    assert sim_oos.pipeline_from_run(prof, topo, reqs, results, min_requests=3) is None
