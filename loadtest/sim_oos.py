@@ -133,7 +133,7 @@ def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tupl
     fitted.pop("_prefill_rows", None)
     fitted.pop("load_timeline", None)
     prof = cal.apply(profile, fitted, timeline=False)
-    topo = cal.calibrated_topology(sim_topologies(args.crossover, 2)[mode])
+    topo = twin(sim_topologies(args.crossover, 2)[mode], prof, args)
     path = _requests_path(Path(args.out), fit_key)
     _, trace, rate, _ = fit_key.split("|")
     pipe = pipeline_from_run(prof, topo, workload(trace, float(rate), args),
@@ -184,11 +184,26 @@ def pipeline_from_run(prof: Profile, topo, reqs: list[traces.SimRequest], result
     return max(0.0, statistics.median(gaps))
 
 
+def twin(topo, prof: Profile, args):
+    """A mode's simulated twin as the validation deploys it: the calibrated topology, the
+    gateway's admission limit of the deployment (``--max-queue-time``, ``PD_MAX_QUEUE_TIME_S``),
+    and every worker's prefill-rate EWMA started at the profile's 512-token rate (the real
+    workers have served the warm-up and earlier runs before a run starts; the router and the
+    admission read that rate from their heartbeats)."""
+    from sim.profile import CostModel
+
+    rate = CostModel(prof).prefill_rate()
+    names = ([f"worker-{i}" for i in range(topo.workers)] if topo.mode == "aggregated" else
+             [f"prefill-{i}" for i in range(topo.prefill)] + [f"decode-{i}" for i in range(topo.decode)])
+    return replace(cal.calibrated_topology(topo), max_queue_time_s=args.max_queue_time,
+                   extra={**topo.extra, "prefill_rates": {n: rate for n in names}})
+
+
 def predict(prof: Profile, measured: dict, args) -> dict:
     """{key: the simulator's summary of that run's requests on the frozen profile}."""
     from loadtest.sim_validate import sim_topologies
 
-    topos = {k: cal.calibrated_topology(v) for k, v in sim_topologies(args.crossover, 2).items()}
+    topos = {k: twin(v, prof, args) for k, v in sim_topologies(args.crossover, 2).items()}
     out = {}
     for k in measured:
         mode, trace, rate, _ = k.split("|")
@@ -461,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft", type=float, default=4.0, help="s, for SLO attainment")
     p.add_argument("--slo-tpot", type=float, default=0.025, help="s per output token, for SLO attainment")
     p.add_argument("--crossover", type=int, default=128, help="the conditional router's local limit")
+    p.add_argument("--max-queue-time", type=float, default=None,
+                   help="the deployments' PD_MAX_QUEUE_TIME_S, modelled by the twins (default: PD_* as set)")
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--tie", type=float, default=0.05, help="measured values this close rank as a tie")
     p.add_argument("--profile", default="", help="use this profile instead of measuring one now")
@@ -484,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("PD_TORCH_THREADS", "1")
     base = Settings.from_env(env)
+    if args.max_queue_time is None:
+        args.max_queue_time = base.max_queue_time_s
     profile_path = Path(args.profile) if args.profile else out / "profile.json"
     if profile_path.exists():
         profile = Profile.load(profile_path)

@@ -91,24 +91,31 @@ def _overlap(intervals: list[tuple[float, float]], starts: list[float], a: float
 
 def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None = None) -> dict:
     """Observed/predicted ratios of the run's steps (see module doc), after refitting the
-    profile's attention term on the run's prefill steps (:func:`_attention`); the result's
-    ``prefill_attn_s`` is the profile's before scaling."""
+    profile's context-attention term on the run's prefill steps (:func:`_attention`: only
+    where the run has chunks after a context); the result's ``prefill_ctx_attn_s`` is in the
+    profile's units, before scaling by the prefill ratio."""
+    ctx = _ctx_attn(profile)
     first = _ratios(profile, logs, window)
     attn = _attention(profile, first)
     if attn is None:
-        return first | {"prefill_attn_s": profile.prefill_attn_s}
-    return _ratios(replace(profile, prefill_attn_s=attn), logs, window) | {"prefill_attn_s": attn}
+        return first | {"prefill_ctx_attn_s": ctx}
+    return _ratios(replace(profile, prefill_ctx_attn_s=attn), logs, window) | {"prefill_ctx_attn_s": attn}
+
+
+def _ctx_attn(profile: Profile) -> float:
+    return profile.prefill_attn_s if profile.prefill_ctx_attn_s is None else profile.prefill_ctx_attn_s
 
 
 def _attention(profile: Profile, f: dict) -> float | None:
-    """The attention coefficient the run's prefill steps show, in the profile's units:
-    least squares of each step's alone time (decodes beside it taken off) on the profile's
-    table at its total chunk tokens ``T`` and its attention pairs ``P`` (each chunk's tokens ×
-    its context, less the cross-chunk pairs the table's prompt had), ``obs ≈ a·T + b·P``
-    with a, b ≥ 0; returns ``b / a``. None with fewer than four prefill steps or no spread
-    in ``P``."""
+    """The context-attention coefficient the run's prefill steps show, in the profile's
+    units: least squares of each step's alone time (decodes beside it taken off) on the
+    profile's cost of its chunks without context ``T`` (the table at their total, less the
+    pairs between different chunks) and its context pairs ``P`` (each chunk's tokens × its
+    context), ``obs ≈ a·T + b·P`` with a, b ≥ 0; returns ``b / a``. None with fewer than four
+    prefill steps that have context pairs, or no spread in ``P`` (a run of prompts that each
+    fit one chunk says nothing about it: the profile's stands)."""
     rows = f.get("_prefill_rows") or []
-    if len(rows) < 4:
+    if sum(1 for _, _, pp in rows if pp > 0) < 4:
         return None
     sx = [[0.0, 0.0], [0.0, 0.0]]
     sy = [0.0, 0.0]
@@ -217,13 +224,12 @@ def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] |
              if not k.startswith("prefill")]  # a step of seconds averages the short stalls out
     jitter = _quantiles(resid, [(i + 0.5) / JITTER_LEVELS for i in range(JITTER_LEVELS)]) if len(resid) >= 50 else []
     mean = sum(jitter) / len(jitter) if jitter else 1.0
-    flat = CostModel(replace(profile, step_loop_s=0.0, prefill_attn_s=0.0))
     rows = []
     for o, kind, chunks, batch, ctx in pre_rows:
         o = o / (corun if kind.endswith("_co") else 1.0) - (cost.decode_step(batch, ctx) - cost.fixed) * dec * (batch > 0)
         total = sum(c[0] for c in chunks)
-        pairs = sum(c[0] * c[1] for c in chunks) - (total * total - sum(c[0] * c[0] for c in chunks)) / 2
-        rows.append((o, flat.prefill(total), pairs))
+        cross = profile.prefill_attn_s * (total * total - sum(c[0] * c[0] for c in chunks)) / 2
+        rows.append((o, cost.prefill(total) - cross, sum(c[0] * c[1] for c in chunks)))
     return {"decode": dec, "prefill": pre, "corun": corun, "jitter": [round(j / mean, 4) for j in jitter],
             "_prefill_rows": rows, "load_timeline": timeline,
             "decode_by_batch": by["decode"], "prefill_by_tokens": by["prefill"],
@@ -304,7 +310,8 @@ def apply(profile: Profile, f: dict, timeline: bool = True) -> Profile:
     ``timeline`` the run's load timeline too (a replay of that run, time 0 its window's start)."""
     d = {
         "prefill_s": [x * r for x, r in zip(profile.prefill_s, f.get("prefill_by_tokens") or [f["prefill"]] * 99)],
-        "prefill_attn_s": f.get("prefill_attn_s", profile.prefill_attn_s) * f["prefill"],
+        "prefill_attn_s": profile.prefill_attn_s * f["prefill"],
+        "prefill_ctx_attn_s": f.get("prefill_ctx_attn_s", _ctx_attn(profile)) * f["prefill"],
         "decode_s": [x * r for x, r in zip(profile.decode_s, f.get("decode_by_batch") or [f["decode"]] * 99)],
         "decode_ctx_s": profile.decode_ctx_s * f["decode"],
         "step_fixed_s": profile.step_fixed_s * f["decode"],

@@ -56,6 +56,25 @@ class _Bench:
         one()  # warm-up
         return _median_time(one, repeats)
 
+    def chunk_after(self, n: int, context: int, repeats: int) -> float:
+        """Median seconds of an ``n``-token prefill chunk after ``context`` tokens of its own
+        prompt computed before it: the second step of a ``context + n``-token prompt prefilled
+        in chunks of ``context`` (what a prefix-cache hit's new tokens cost too)."""
+        sched = self.engine.scheduler
+        keep = sched.max_chunk
+        sched.max_chunk = context
+        try:
+            xs = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                self.engine.add_request(self.rid(), self.prompt(context + n), SamplingParams(max_tokens=1, ignore_eos=True))
+                self.engine.step()
+                t = time.perf_counter()
+                self.engine.step()
+                xs.append(time.perf_counter() - t)
+            return statistics.median(xs[1:])
+        finally:
+            sched.max_chunk = keep
+
     def decode(self, batch: int, prompt: int, steps: int) -> float:
         """Median decode step of ``batch`` running sequences of ``prompt`` tokens."""
         e = self.engine
@@ -226,6 +245,12 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     half = min(512, max_prompt // 2)
     attn = max(0.0, (bench.prefill(2 * half, rep) - 2 * bench.prefill(half, rep) + _interp_at(lengths, prefill_s, 1))
                / (half * half))
+    # a chunk's attention to the context before it (chunked prompts, prefix-cache hits): the
+    # same chunk after a long and a short context; the difference is the context pairs' cost
+    lo, hi = min(128, max_prompt // 8), min(1024, max_prompt - 64)
+    ctx_attn = None
+    if hi > lo:
+        ctx_attn = max(0.0, (bench.chunk_after(64, hi, rep) - bench.chunk_after(64, lo, rep)) / (64 * (hi - lo)))
     fixed = max(0.0, 2 * decode_s[0] - decode_s[1]) if len(decode_s) > 1 else decode_s[0] / 2
     say("profile: KV hand-off, CPU costs ...")
     kv = _kv_costs(engine, bench, settings, [n for n in (64, 256, 1024) if n <= max_prompt])
@@ -239,7 +264,7 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
         name=f"{platform.node()}-{settings.model or 'smollm2'}".replace("/", "_")[:60],
         measured=True, machine=_machine(), model=str(folder), dtype=str(engine.dtype).removeprefix("torch."),
         prefill_tokens=lengths, prefill_s=prefill_s, decode_batch=batches, decode_s=decode_s,
-        prefill_attn_s=attn, decode_ctx_s=decode_ctx, step_fixed_s=fixed,
+        prefill_attn_s=attn, prefill_ctx_attn_s=ctx_attn, decode_ctx_s=decode_ctx, step_fixed_s=fixed,
         kv_bytes_per_token=engine.bytes_per_token,
         kv_stage_fixed_s=kv["stage"][0], kv_stage_s_per_byte=kv["stage"][1],
         kv_load_fixed_s=kv["load"][0], kv_load_s_per_byte=kv["load"][1],

@@ -9,8 +9,12 @@ Step-time model (the shape Vidur and Dynamo's SLA planner interpolate, Agrawal e
 NVIDIA Dynamo ``docs/architecture/sla_planner.md``):
 
 * prefill chunk of ``n`` tokens after ``c`` already computed ones:
-  ``prefill(n) + prefill_attn_s * n * c`` — ``prefill(n)`` interpolated (piecewise linear) in
-  the measured ``prefill_tokens``/``prefill_s`` table at empty context;
+  ``prefill(n) + prefill_ctx_attn_s * n * c`` — ``prefill(n)`` interpolated (piecewise linear) in
+  the measured ``prefill_tokens``/``prefill_s`` table at empty context. The context term has
+  its own coefficient because an engine may compute it on another path than a fresh prompt's
+  self-attention (pdserve's batch-invariant CPU mode: a fresh prompt's attention is tiled, a
+  chunk's attention to cached blocks runs the paged kernel — on the AVX2 EPYC 7e-6 s per
+  pair against ~2e-6 inside a prompt); a profile without it uses ``prefill_attn_s``;
 * decode step of ``B`` sequences holding ``C`` context tokens in all:
   ``decode(B) + decode_ctx_s * C`` — ``decode(B)`` interpolated in ``decode_batch``/``decode_s``;
 * several prompts' chunks in one step: one forward over their ``N = Σ n`` tokens,
@@ -100,7 +104,12 @@ class Profile:
         measured: True when ``pdserve profile`` measured it; False for a cited profile.
         machine, model, dtype: what it describes.
         prefill_tokens, prefill_s: prefill step time by chunk tokens (empty context), ascending.
-        prefill_attn_s: extra seconds per (chunk token × already computed context token).
+        prefill_attn_s: seconds per pair of tokens attending to each other inside one prompt
+            (the table's ``n``-token prompt holds ``n²/2``; steps of several chunks subtract the
+            pairs between different chunks).
+        prefill_ctx_attn_s: extra seconds per (chunk token × context token computed before the
+            chunk: a chunked prompt's later chunks, the new tokens after a prefix-cache hit);
+            None = ``prefill_attn_s``.
         decode_batch, decode_s: decode step time by batch size (short contexts), ascending.
         decode_ctx_s: extra decode step seconds per context token held by the batch.
         step_fixed_s: per-step cost independent of tokens (paid once by a mixed step).
@@ -149,6 +158,7 @@ class Profile:
     decode_batch: list[int]
     decode_s: list[float]
     prefill_attn_s: float = 0.0
+    prefill_ctx_attn_s: float | None = None
     decode_ctx_s: float = 0.0
     step_fixed_s: float = 0.0
     kv_bytes_per_token: int = 0
@@ -235,6 +245,8 @@ class Profile:
         d["decode_s"] = [x * compute for x in self.decode_s]
         for k in ("prefill_attn_s", "decode_ctx_s", "step_fixed_s"):
             d[k] = d[k] * compute
+        if d["prefill_ctx_attn_s"] is not None:
+            d["prefill_ctx_attn_s"] *= compute
         for k in ("tokenize_s", "tokenize_s_per_token", "token_cpu_s", "request_cpu_s", "kv_stage_fixed_s",
                   "kv_stage_s_per_byte", "kv_load_fixed_s", "kv_load_s_per_byte"):
             d[k] = d[k] * host
@@ -265,6 +277,7 @@ class CostModel:
         self._decode[0] = 0.0
         self.max_tokens, self.max_batch = max_tokens, max_batch
         self.attn = profile.prefill_attn_s
+        self.ctx_attn = profile.prefill_attn_s if profile.prefill_ctx_attn_s is None else profile.prefill_ctx_attn_s
         self.ctx = profile.decode_ctx_s
         self.fixed = profile.step_fixed_s
         self.kv_bpt = profile.kv_bytes_per_token
@@ -291,7 +304,7 @@ class CostModel:
         t = self.loop
         if len(prefill_chunks) == 1:
             n, c = prefill_chunks[0]
-            t += self.prefill(n) + self.attn * n * c
+            t += self.prefill(n) + self.ctx_attn * n * c
         elif prefill_chunks:
             # one forward over all chunks: the linear layers see their total, attention is per
             # sequence (the table's prefill(N) holds N²/2 pairs of self-attention; the chunks
@@ -300,7 +313,7 @@ class CostModel:
             cross = self.attn * (total * total - sum(n * n for n, _ in prefill_chunks)) / 2
             # never below the largest chunk alone (a profile whose attention term outgrows its table)
             t += max(self.prefill(total) - cross, max(self.prefill(n) for n, _ in prefill_chunks))
-            t += self.attn * sum(n * c for n, c in prefill_chunks)
+            t += self.ctx_attn * sum(n * c for n, c in prefill_chunks)
         if prefill_chunks:
             if batch:
                 # never below the decode step alone: the chunk's tokens only add work

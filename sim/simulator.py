@@ -28,6 +28,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from services.gateway.tenancy.waits import DEFAULT_PREFILL_TOKENS_PER_S
 from services.tokenizer.router import Router
 from shared.messages import Heartbeat
 from sim.metrics import SimResult, summarize
@@ -51,6 +52,11 @@ class Topology:
             (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
         local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
         heartbeat_s: the workers' heartbeat period: how stale the router's view is.
+        max_queue_time_s: the gateway's admission limit (``PD_MAX_QUEUE_TIME_S``): a request
+            whose predicted prefill queue — prompt tokens admitted and still before their first
+            token, over the sum of the prefill workers' heartbeat rates — exceeds it is refused
+            (503 ``queue_time_exceeded``; no first token, counted as not finished). 0 = no
+            admission control (the decode-slot wait and the deadline rule are not modelled).
         tokenizers: tokenizer replicas.
         num_kv_blocks: KV blocks per worker (0 = the profile's).
         kv_store: the KV store kind of the hand-off (``shm``, ``redis``, ``network``; "" = the
@@ -74,6 +80,7 @@ class Topology:
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
     heartbeat_s: float = 1.0
+    max_queue_time_s: float = 0.0
     kv_store: str = ""
     roles: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
@@ -181,6 +188,8 @@ class Simulation:
         self._turn: dict[int, int] = {}
         self._hb: dict[str, Heartbeat] = {}
         self.done = 0
+        self.admitted_tokens = 0  # prompt tokens admitted and before their first token (the gateway's backlog)
+        self.refused = 0
 
     # --- events -----------------------------------------------------------------------
     def push(self, t: float, fn, arg) -> None:
@@ -194,8 +203,12 @@ class Simulation:
         self.n_out = [0] * n
         self.arrival = [r.arrival_s for r in requests]
         started, cpu0 = time.perf_counter(), time.process_time()
+        self.prompt_tokens = [r.prompt_tokens for r in requests]
         for r in requests:
-            self._arrive(r)
+            if self.topo.max_queue_time_s > 0:
+                self.push(r.arrival_s, self._admit, r)
+            else:
+                self._arrive(r)
         heap = self.heap
         pop = heapq.heappop
         now = 0.0
@@ -213,8 +226,22 @@ class Simulation:
                              "wait_s": self.kv_wait_s,
                              "import_s": sum(w.import_s for w in self.decode)})
 
+    def _admit(self, now: float, req) -> None:
+        """The gateway's admission by predicted wait (``services/gateway/tenancy/waits.py``,
+        its prefill-queue rule): refused when the prompt tokens admitted ahead over the prefill
+        workers' reported rates exceed ``max_queue_time_s``."""
+        pool = self.prefill or self.decode  # no prefill worker: the decode workers prefill
+        rate = sum(self._heartbeat(now, w).prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S for w in pool)
+        worker_side = sum(self._heartbeat(now, w).queued_prefill_tokens for w in pool)
+        if max(self.admitted_tokens, worker_side) / rate > self.topo.max_queue_time_s:
+            self.refused += 1
+            return
+        self.admitted_tokens += req.prompt_tokens
+        self._arrive(req)
+
     def _arrive(self, req) -> None:
-        # the tokenizer replicas are FIFO servers; arrivals come in time order, so their queue is
+        # the tokenizer replicas are FIFO servers; arrivals come in time order (all at once
+        # before the run, or each at its time when admission is modelled), so their queue is
         # computed here. The route is decided when tokenizing ends (an event: it reads worker state).
         cost = self.cost.tokenize(req.prompt_tokens)
         i = min(range(len(self.tok_free)), key=self.tok_free.__getitem__)
@@ -363,6 +390,8 @@ class Simulation:
         jit = self.jitter if k > 1 else ()
         if seq.last_t < 0:
             self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
+            if self.topo.max_queue_time_s > 0:
+                self.admitted_tokens -= self.prompt_tokens[i]
         elif jit:
             wait, w = first_end - seq.last_t - step_s, 1 / len(jit)
             for j in jit:

@@ -91,7 +91,7 @@ def request_work(reqs, cost: CostModel, block_size: int, batch: int = 32) -> tup
     """Per request, (prefill seconds alone on an idle worker with the prefix hits an unbounded
     cache would have, decode seconds at batch ``batch``)."""
     hits = traces.prefix_hit_tokens(reqs, block_size)
-    pre = [cost.prefill(r.prompt_tokens - h) + cost.attn * (r.prompt_tokens - h) * h for r, h in zip(reqs, hits)]
+    pre = [cost.prefill(r.prompt_tokens - h) + cost.ctx_attn * (r.prompt_tokens - h) * h for r, h in zip(reqs, hits)]
     dec = [r.max_tokens * cost.decode_step(batch, batch * r.prompt_tokens) / batch for r in reqs]
     return pre, dec
 

@@ -287,3 +287,36 @@ def test_simulate_refuses_bad_arguments_before_simulating(extra, says, capsys, t
     (tmp_path / "list.json").write_text("[1]")
     assert run_cmd.main(["--profile", str(tmp_path / "list.json")]) == 2
     assert "is not a profile file" in capsys.readouterr().out
+
+
+def test_context_attention_has_its_own_coefficient():
+    from dataclasses import replace
+
+    p = _profile(prefill_attn_s=1e-8)
+    c = CostModel(p)
+    assert c.step([(64, 1024)], 0, 0) == pytest.approx(c.prefill(64) + 1e-8 * 64 * 1024)  # None: the in-prompt one
+    q = CostModel(replace(p, prefill_ctx_attn_s=1e-6))
+    assert q.step([(64, 1024)], 0, 0) == pytest.approx(c.prefill(64) + 1e-6 * 64 * 1024)
+    # the pairs between chunks of one step are still the in-prompt coefficient's
+    two = q.step([(64, 0), (64, 0)], 0, 0)
+    assert two == pytest.approx(q.prefill(128) - 1e-8 * (128 * 128 - 2 * 64 * 64) / 2)
+    assert replace(p, prefill_ctx_attn_s=1e-6).scaled(compute=2.0).prefill_ctx_attn_s == pytest.approx(2e-6)
+
+
+def test_admission_refuses_what_would_queue_past_the_limit():
+    from dataclasses import replace
+
+    # 40 prompts of 2,048 tokens at once on one prefill worker of ~2,560 tokens/s: the last
+    # ones would queue ~30 s; with a 10 s limit the gateway refuses them, without one none
+    reqs = [trace.SimRequest(i, 0.01 * i, 2048, 4) for i in range(40)]
+    topo = Topology(mode="disaggregated", prefill=1, decode=1, max_num_batched_tokens=2048,
+                    extra={"prefill_rates": {"prefill-0": 2560.0}})
+    free = Simulation(topo, _profile()).run(list(reqs))
+    assert free.finished == 40 and all(f == f for f in free.first)
+    sim = Simulation(replace(topo, max_queue_time_s=10.0), _profile())
+    res = sim.run(list(reqs))
+    done = sum(f == f for f in res.first)
+    # admitted: the backlog ahead stays within 10 s at 2,560 tokens/s, i.e. about 13 prompts
+    assert sim.refused == 40 - done and 10 <= done <= 16
+    assert max(f - a for f, a in zip(res.first, res.arrival) if f == f) < max(
+        f - a for f, a in zip(free.first, free.arrival))
