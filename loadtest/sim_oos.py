@@ -129,7 +129,7 @@ def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tupl
     mode = fit_key.split("|")[0]
     m = measured[fit_key]
     logs = cal.read_step_logs(Path(args.out) / "steps" / _slug(mode))
-    fitted = cal.fit(profile, logs, tuple(m["window"]))
+    fitted = cal.fit(profile, logs, tuple(m["window"]), decode_by_point=False)
     fitted.pop("_prefill_rows", None)
     fitted.pop("load_timeline", None)
     prof = cal.apply(profile, fitted, timeline=False)
@@ -199,15 +199,31 @@ def twin(topo, prof: Profile, args):
                    extra={**topo.extra, "prefill_rates": {n: rate for n in names}})
 
 
-def predict(prof: Profile, measured: dict, args) -> dict:
-    """{key: the simulator's summary of that run's requests on the frozen profile}."""
+#: Simulations per predicted run (the fetches' phases and the step jitter drawn anew each time);
+#: the prediction is the median of their percentiles: the run's typical outcome, not one draw of
+#: which worker happened to take which request.
+SEEDS = 5
+
+
+def predict(prof: Profile, measured: dict, args, seeds: int = SEEDS) -> dict:
+    """{key: the simulator's summary of that run's requests on the frozen profile}, each
+    percentile and the SLO attainment the median over ``seeds`` simulations (:data:`SEEDS`)."""
     from loadtest.sim_validate import sim_topologies
 
     topos = {k: twin(v, prof, args) for k, v in sim_topologies(args.crossover, 2).items()}
-    out = {}
+    out, cache = {}, {}
     for k in measured:
         mode, trace, rate, _ = k.split("|")
-        out[k] = simulate(workload(trace, float(rate), args), topos[mode], prof, args.slo_ttft, args.slo_tpot)
+        if (mode, trace, rate) not in cache:  # the repeats send the same lengths and arrivals
+            runs = [simulate(workload(trace, float(rate), args), topos[mode], prof, args.slo_ttft, args.slo_tpot,
+                             seed=s) for s in range(seeds)]
+            med = dict(runs[0])
+            for metric in ("ttft", "itl", "tpot"):
+                med[metric] = {q: statistics.median(r[metric][q] for r in runs)
+                               for q in runs[0][metric] if all(r[metric][q] is not None for r in runs)}
+            med["slo_attainment"] = statistics.median(r["slo_attainment"] for r in runs)
+            cache[(mode, trace, rate)] = med
+        out[k] = cache[(mode, trace, rate)]
     return out
 
 

@@ -89,17 +89,19 @@ def _overlap(intervals: list[tuple[float, float]], starts: list[float], a: float
     return cover
 
 
-def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None = None) -> dict:
+def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None = None,
+        decode_by_point: bool = True) -> dict:
     """Observed/predicted ratios of the run's steps (see module doc), after refitting the
     profile's context-attention term on the run's prefill steps (:func:`_attention`: only
     where the run has chunks after a context); the result's ``prefill_ctx_attn_s`` is in the
     profile's units, before scaling by the prefill ratio."""
     ctx = _ctx_attn(profile)
-    first = _ratios(profile, logs, window)
+    first = _ratios(profile, logs, window, decode_by_point)
     attn = _attention(profile, first)
     if attn is None:
         return first | {"prefill_ctx_attn_s": ctx}
-    return _ratios(replace(profile, prefill_ctx_attn_s=attn), logs, window) | {"prefill_ctx_attn_s": attn}
+    return _ratios(replace(profile, prefill_ctx_attn_s=attn), logs, window, decode_by_point) | {
+        "prefill_ctx_attn_s": attn}
 
 
 def _ctx_attn(profile: Profile) -> float:
@@ -135,13 +137,20 @@ def _attention(profile: Profile, f: dict) -> float | None:
     return b / a
 
 
-def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None) -> dict:
+def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] | None,
+            decode_by_point: bool = True) -> dict:
     """Observed/predicted ratios of the run's steps with ``profile`` as it is.
 
     Args:
         profile: the profile whose predictions are corrected.
         logs: the run's step logs (all its model workers; all on one host).
         window: (start, end) on the step logs' clock; steps outside are ignored.
+        decode_by_point: a decode ratio per point of the decode table (the run's steps of each
+            batch size); False: the run's overall decode ratio at every point — the profile's
+            shape kept, its level corrected. A prediction of other runs wants False: one run's
+            per-batch ratios are noisy where it has few steps and are held constant past its
+            largest batch (on the AVX2 EPYC, batches 6-11 of the fitted run gave 0.83 at the
+            point 8 and so at 16 and 32, where the other runs' steps showed 0.9-1.0).
 
     Returns:
         ``{"decode", "prefill", "corun", "decode_by_batch", "prefill_by_tokens", "jitter",
@@ -202,7 +211,8 @@ def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] |
         dec = ratio("decode_co", pre * corun) / corun
     spread = tuple(_quantiles(ratios, (0.1, 0.5, 0.9))) if ratios else (1.0, 1.0, 1.0)
     # by table point: the profile's shape corrected where the run has steps of that size
-    by = {"decode": _by_point(profile.decode_batch, [x for x in seen if not x[2].startswith("prefill")], corun, dec),
+    by = {"decode": (_by_point(profile.decode_batch, [x for x in seen if not x[2].startswith("prefill")], corun, dec)
+                     if decode_by_point else [round(dec, 4)] * len(profile.decode_batch)),
           "prefill": _by_point(profile.prefill_tokens, [x for x in seen if x[2].startswith("prefill")], corun, pre)}
     tables = {k: (profile.decode_batch if k == "decode" else profile.prefill_tokens, v) for k, v in by.items()}
 

@@ -111,11 +111,17 @@ class Topology:
         return self.workers if self.mode == "aggregated" else self.prefill + self.decode
 
 
+#: Seconds a worker's fetch waits for a work item before it is sent again
+#: (``services/common/consumer.py``: ``bus.pull(..., timeout_s=1.0)``).
+FETCH_TIMEOUT_S = 1.0
+
+
 class Simulation:
-    """One run; use :func:`simulate`."""
+    """One run; use :func:`simulate`. ``seed``: the random phases of the workers' fetches and
+    the step jitter's draws."""
 
     def __init__(self, topo: Topology, profile: Profile, max_segment: int = 4096,
-                 prefill_profile: Profile | None = None):
+                 prefill_profile: Profile | None = None, seed: int = 0):
         if topo.mode not in ("aggregated", "disaggregated", "conditional"):
             raise ValueError(f"unknown mode {topo.mode!r}")
         if prefill_profile is not None and prefill_profile.kv_bytes_per_token != profile.kv_bytes_per_token:
@@ -133,7 +139,7 @@ class Simulation:
         self.tok_cpu = profile.token_cpu_s
         self.jitter = list(profile.step_jitter)
         self.timeline, self.bin_s = list(profile.load_timeline), profile.load_bin_s
-        self.rng = random.Random(0)
+        self.rng = random.Random(seed)
         def kw(role: str, prof: Profile) -> dict:
             return dict(num_blocks=topo.num_kv_blocks or prof.num_kv_blocks, block_size=profile.block_size,
                         enable_prefix_caching=topo.enable_prefix_caching, **topo.engine(role))
@@ -185,7 +191,7 @@ class Simulation:
         self.gap_r: list[int] = []  # the request of each gap
         self.remote = 0
         self.backlog: dict[int, list] = {}  # id(pool) → work items waiting in its stream
-        self._turn: dict[int, int] = {}
+        self._fetch_at: dict[str, float] = {}  # worker → when its current series of fetches began
         self._hb: dict[str, Heartbeat] = {}
         self.done = 0
         self.admitted_tokens = 0  # prompt tokens admitted and before their first token (the gateway's backlog)
@@ -264,7 +270,7 @@ class Simulation:
     def _offer(self, now: float, pool: list[SimWorker], kind: str, seq) -> None:
         """A work item (``new``: a prompt; ``kv``: a DecodeTask) published to ``pool``'s stream:
         a worker with room fetches it, or it waits in the stream for the first slot."""
-        w = self._pull(pool)
+        w = self._pull(pool, now)
         if w is None:
             self.backlog.setdefault(id(pool), []).append((kind, seq))
         else:
@@ -284,6 +290,7 @@ class Simulation:
         queue = self.backlog.get(id(self.prefill if w.role == "prefill" else self.decode))
         while queue and self._held(w) < w.max_num_seqs:
             kind, seq = queue.pop(0)
+            self._fetch_at[w.name] = now  # it had no fetch out while full: this one takes the item
             self._dispatch(now, w, kind, seq)
 
     def _heartbeat(self, now: float, w: SimWorker) -> Heartbeat:
@@ -299,20 +306,32 @@ class Simulation:
         self._hb[w.name] = hb
         return hb
 
-    def _pull(self, pool: list[SimWorker]) -> SimWorker:
+    def _pull(self, pool: list[SimWorker], now: float) -> SimWorker:
         """Which worker of ``pool`` takes the next work item: as JetStream serves the pull
         consumers (``services/common/consumer.py``) — each worker with room (fewer than
-        ``max_num_seqs`` held) keeps one fetch waiting, and waiting fetches are served in turn,
-        whatever the worker's engine is doing; with no room anywhere, None (the item waits in
-        the stream for the first slot: :meth:`room`)."""
-        n = len(pool)
-        start = self._turn.get(id(pool), 0)
-        for j in range(n):
-            w = pool[(start + j) % n]
-            if self._held(w) < w.max_num_seqs:
-                self._turn[id(pool)] = (start + j + 1) % n
-                return w
-        return None
+        ``max_num_seqs`` held) keeps a fetch waiting, whatever its engine is doing; a fetch
+        returns with the first item it gets and the worker fetches again at once, and a fetch
+        that got nothing expires after :data:`FETCH_TIMEOUT_S` and is sent again. The server
+        serves the waiting fetches oldest first, so the item goes to the worker whose current
+        fetch was sent earliest: usually not the one that took the last item, but whichever
+        worker's fetch expired least recently (the phases start at random: ``seed``). With no
+        room anywhere, None (the item waits in the stream for the first slot: :meth:`room`).
+
+        Not modelled: a fetch of ``n`` > 1 leaves its pull request open on the server for the
+        rest of its ``n`` after returning, so a worker that just took an item sometimes takes
+        the next one too (two nats-py consumers, an item every 0.15 s: fetches of 16 went
+        ``A B B A B A B B A B B A B B A B``, fetches of 1 in strict turns)."""
+        best, best_t = None, 0.0
+        for w in pool:
+            if self._held(w) >= w.max_num_seqs:
+                continue
+            base = self._fetch_at.setdefault(w.name, -self.rng.random() * FETCH_TIMEOUT_S)
+            sent = base + FETCH_TIMEOUT_S * ((now - base) // FETCH_TIMEOUT_S)
+            if best is None or sent < best_t:
+                best, best_t = w, sent
+        if best is not None:
+            self._fetch_at[best.name] = now
+        return best
 
     @staticmethod
     def _held(w: SimWorker) -> int:
@@ -424,7 +443,8 @@ class Simulation:
 
 
 def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,
-             max_segment: int = 4096, keep: list[bool] | None = None, prefill_profile: Profile | None = None) -> dict:
+             max_segment: int = 4096, keep: list[bool] | None = None, prefill_profile: Profile | None = None,
+             seed: int = 0) -> dict:
     """Replay ``requests`` (:class:`~sim.trace.SimRequest`, arrival order) through
     ``topo`` with ``profile``'s costs (the prefill pool's from ``prefill_profile`` when given:
     heterogeneous pools); returns :func:`sim.metrics.summarize`'s dict,
@@ -434,5 +454,5 @@ def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0
         ValueError: an unknown mode, a store kind the profile has no figures for, pools of
             different models.
     """
-    result = Simulation(topo, profile, max_segment, prefill_profile).run(requests)
+    result = Simulation(topo, profile, max_segment, prefill_profile, seed).run(requests)
     return summarize(result.only(keep) if keep is not None else result, slo_ttft_s, slo_tpot_s)

@@ -320,3 +320,24 @@ def test_admission_refuses_what_would_queue_past_the_limit():
     assert sim.refused == 40 - done and 10 <= done <= 16
     assert max(f - a for f, a in zip(res.first, res.arrival) if f == f) < max(
         f - a for f, a in zip(free.first, free.arrival))
+
+
+def test_work_items_go_to_the_worker_whose_fetch_waited_longest():
+    topo = Topology(mode="aggregated", workers=2)
+    turns = pairs = 0
+    for seed in range(10):
+        sim = Simulation(topo, _profile(), seed=seed)
+        # items 0.1 s apart: the worker that just took one has the newest fetch, so the other
+        # takes the next — unless the other's fetch expired and was sent again in between
+        got = [sim._pull(sim.decode, 10.0 + 0.1 * i).name for i in range(6)]
+        turns += sum(a != b for a, b in zip(got, got[1:]))
+        pairs += len(got) - 1
+    assert 0.75 <= turns / pairs < 1.0
+    # 1.5 s after one took an item both fetches have expired and been sent again: which one was
+    # sent earlier depends on the phases (the seed), not on whose turn it would be
+    wins = set()
+    for seed in range(20):
+        sim = Simulation(topo, _profile(), seed=seed)
+        sim._pull(sim.decode, 10.0)
+        wins.add(sim._pull(sim.decode, 11.5).name)
+    assert wins == {"worker-0", "worker-1"}
