@@ -10,13 +10,15 @@ default; ``--fit-replay`` is the older in-run replay, a fit).
    its own: nothing a previous repeat cached is hit). Every model worker writes its step log.
 3. **The fit**: one run only (``--fit``: mode, trace, rate, repeat; default the disaggregated
    deployment on the trace without reuse at the middle rate, first repeat) — its engine steps
-   give the step costs (:func:`sim.calibrate.fit`: per-shape ratios of the decode and prefill
-   tables, the attention term through them, the co-run factor, the loop gap, the step jitter) and
-   its idle probe the pipeline latency. The fitted run's own load timeline is left out (it
-   describes that run's minutes), so is every later run's: the profile is frozen.
-4. **The prediction**: every other run through its mode's simulated twin on the frozen profile,
-   all of its requests (the measured run's set of completed requests is not used: a run with a
-   failed request is reported as such).
+   give the step costs (:func:`sim.calibrate.fit`: one decode ratio, per-point prefill ratios,
+   the context-attention term where the run has chunks after a context, the co-run factor, the
+   loop gap, the step jitter) and its unqueued short requests the pipeline latency
+   (:func:`pipeline_from_run`). The fitted run's own load timeline is left out (it describes
+   that run's minutes), so is every later run's: the profile is frozen.
+4. **The prediction**: every other run through its mode's simulated twin (:func:`twin`: the
+   gateway's admission limit, the workers' prefill rates warm) on the frozen profile, all of
+   its requests (the measured run's set of completed requests is not used: the twin refuses
+   what the gateway would), as the median of :data:`SEEDS` simulations.
 5. Tables: per run, TTFT and ITL p50/p90/p99 measured vs predicted; per mode and percentile the
    error's median and spread; the share within ``--tolerance`` (15 %) of the p50 and p90
    predictions (the target: 80 %); the modes' ranking per (trace, rate, repeat) by TTFT p90 and
@@ -122,8 +124,9 @@ def measure(base, args, vocab: int, say) -> dict:
 
 def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tuple[Profile, dict]:
     """The profile with step costs fitted on the run ``fit_key`` alone (its steps inside its
-    window; its load timeline dropped) and the pipeline latency of its idle probe; the fitted
-    numbers beside it."""
+    window; its load timeline dropped; one decode ratio) and the pipeline latency of its
+    unqueued short requests (:func:`pipeline_from_run`; the idle probe's where it has none);
+    the fitted numbers beside it (``pipeline_from``: ``run`` or ``probe``)."""
     from loadtest.sim_validate import _pipeline_from_probe, sim_topologies
 
     mode = fit_key.split("|")[0]
@@ -218,9 +221,10 @@ def predict(prof: Profile, measured: dict, args, seeds: int = SEEDS) -> dict:
             runs = [simulate(workload(trace, float(rate), args), topos[mode], prof, args.slo_ttft, args.slo_tpot,
                              seed=s) for s in range(seeds)]
             med = dict(runs[0])
-            for metric in ("ttft", "itl", "tpot"):
-                med[metric] = {q: statistics.median(r[metric][q] for r in runs)
-                               for q in runs[0][metric] if all(r[metric][q] is not None for r in runs)}
+            for metric in ("ttft", "itl", "tpot"):  # None where a seed had none (no request finished)
+                med[metric] = {q: (statistics.median(r[metric][q] for r in runs)
+                                   if all(r[metric][q] is not None for r in runs) else None)
+                               for q in runs[0][metric]}
             med["slo_attainment"] = statistics.median(r["slo_attainment"] for r in runs)
             cache[(mode, trace, rate)] = med
         out[k] = cache[(mode, trace, rate)]
@@ -234,10 +238,10 @@ def rows(measured: dict, predicted: dict, fit_key: str) -> list[dict]:
         mode, trace, rate, rep = k.split("|")
         for metric in ("ttft", "itl"):
             for q in QS:
-                a, b = m[metric][q], predicted[k][metric][q]
+                a, b = m[metric][q], predicted[k][metric].get(q)
                 out.append({"key": k, "mode": mode, "trace": trace, "rate": float(rate), "rep": int(rep),
                             "metric": metric, "q": q, "measured_s": a, "predicted_s": b,
-                            "error": (b - a) / a if a else float("nan"), "fit": k == fit_key,
+                            "error": (b - a) / a if a and b is not None else float("nan"), "fit": k == fit_key,
                             "failed": m["num_requests"] - m["num_ok"]})
     return out
 
@@ -348,7 +352,7 @@ def report(rs: list[dict], ranks: list[dict], tolerance: float, measured: dict |
                 unit, scale = ("s", 1) if metric == "ttft" else ("ms", 1e3)
                 mark = "" if abs(r["error"]) <= tolerance or q == "p99" else " ✗"
                 parts.append(f"{r['measured_s'] * scale:.{2 if unit == 's' else 1}f} → "
-                             f"{r['predicted_s'] * scale:.{2 if unit == 's' else 1}f} ({r['error'] * 100:+.0f}%{mark})")
+                             f"{(r['predicted_s'] if r['predicted_s'] is not None else float('nan')) * scale:.{2 if unit == 's' else 1}f} ({r['error'] * 100:+.0f}%{mark})")
         lines.append(f"| {label} | " + " | ".join(parts) + " |")
     oos = [r for r in rs if not r["fit"]]
     lines += ["", "Error of the prediction, out of sample (median, p10..p90 of the signed error over runs):", "",

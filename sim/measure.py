@@ -241,7 +241,8 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     ctx_s = bench.decode(b_ctx, long_ctx, steps)
     short_ctx_s = decode_s[batches.index(b_ctx)] if b_ctx in batches else bench.decode(b_ctx, 16, steps)
     decode_ctx = max(0.0, (ctx_s - short_ctx_s) / (b_ctx * (long_ctx - 16)))
-    # attention cost of a chunk after context: the second half of a prompt vs the first
+    # attention inside one prompt: a prompt of 2h tokens against two of h (its second half's
+    # pairs with the first); the context term of a chunk after cached tokens is measured below
     half = min(512, max_prompt // 2)
     attn = max(0.0, (bench.prefill(2 * half, rep) - 2 * bench.prefill(half, rep) + _interp_at(lengths, prefill_s, 1))
                / (half * half))

@@ -13,8 +13,9 @@ NVIDIA Dynamo ``docs/architecture/sla_planner.md``):
   the measured ``prefill_tokens``/``prefill_s`` table at empty context. The context term has
   its own coefficient because an engine may compute it on another path than a fresh prompt's
   self-attention (pdserve's batch-invariant CPU mode: a fresh prompt's attention is tiled, a
-  chunk's attention to cached blocks runs the paged kernel — on the AVX2 EPYC 7e-6 s per
-  pair against ~2e-6 inside a prompt); a profile without it uses ``prefill_attn_s``;
+  chunk's attention to cached blocks runs the tiled paged kernel — on the AVX2 EPYC the
+  profile measured 3.0e-6 s per pair, where its in-prompt estimate was 0,
+  ``docs/data/sim-oos-avx2/profile.json``); a profile without it uses ``prefill_attn_s``;
 * decode step of ``B`` sequences holding ``C`` context tokens in all:
   ``decode(B) + decode_ctx_s * C`` — ``decode(B)`` interpolated in ``decode_batch``/``decode_s``;
 * several prompts' chunks in one step: one forward over their ``N = Σ n`` tokens,

@@ -192,6 +192,7 @@ class Simulation:
         self.remote = 0
         self.backlog: dict[int, list] = {}  # id(pool) → work items waiting in its stream
         self._fetch_at: dict[str, float] = {}  # worker → when its current series of fetches began
+        self._full: set[str] = set()  # workers holding max_num_seqs (no fetch out)
         self._hb: dict[str, Heartbeat] = {}
         self.done = 0
         self.admitted_tokens = 0  # prompt tokens admitted and before their first token (the gateway's backlog)
@@ -278,6 +279,8 @@ class Simulation:
 
     def _dispatch(self, now: float, w: SimWorker, kind: str, seq) -> None:
         w.pending += 1
+        if self._held(w) >= w.max_num_seqs:
+            self._full.add(w.name)  # its consumer stops fetching until it has room again
         if kind == "new":
             # the gateway's and tokenizer's CPU for this request, on the host it is served from
             w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(seq.num_prompt_tokens))
@@ -287,10 +290,13 @@ class Simulation:
 
     def room(self, now: float, w: SimWorker) -> None:
         """``w`` let go of sequences: it fetches what waits in its pool's stream, up to its room."""
+        if w.name in self._full and self._held(w) < w.max_num_seqs:
+            self._full.discard(w.name)
+            self._fetch_at[w.name] = now  # it had no fetch out while full: it sends one now
         queue = self.backlog.get(id(self.prefill if w.role == "prefill" else self.decode))
         while queue and self._held(w) < w.max_num_seqs:
             kind, seq = queue.pop(0)
-            self._fetch_at[w.name] = now  # it had no fetch out while full: this one takes the item
+            self._fetch_at[w.name] = now
             self._dispatch(now, w, kind, seq)
 
     def _heartbeat(self, now: float, w: SimWorker) -> Heartbeat:
@@ -301,7 +307,7 @@ class Simulation:
         if last is not None and now - last.sent_at < self.topo.heartbeat_s:
             return last
         hb = Heartbeat(w.role, w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
-                       queued_prefill_tokens=w.queued_prefill_tokens if w.role == "prefill" else 0,
+                       queued_prefill_tokens=w.queued_prefill_tokens,
                        num_running=len(w.sched.running))
         self._hb[w.name] = hb
         return hb

@@ -398,7 +398,7 @@ def write_md(data: dict, path: Path, command: str) -> None:
              "work / capacity with prefix hits counted; TTFT ≤ max(0.5 s, 3 × p90 isolated prefill), TPOT ≤ 3 × "
              "batch-1 decode step at the mean prompt, per request. For the prefix-reuse mixes (mooncake, "
              "agentic) the load counts every hit an unbounded cache shared by all workers would have; the "
-             "workers' own caches hit less (pulls are round-robin, no prefix-aware routing), so those cells run "
+             "workers' own caches hit less (work goes to whichever worker's fetch waited longest, no prefix-aware routing), so those cells run "
              "hotter than their nominal load.",
              "", "## Headline", "", *headline(data), "",
              "## Crossover map", "",

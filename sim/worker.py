@@ -116,16 +116,26 @@ class SimWorker:
         self.extra_s = 0.0  # worker-loop time before the next step (KV staging/loading)
         self.version = 0  # bumps when the pending segment event is replaced
         self.seg = None  # (t0, k, t1, dt, factor, plan) of the segment in flight
-        self.queued_prefill_tokens = 0
         # EWMA tokens/s of steps of ≥ 32 tokens, as EngineLoop reports it; a replay of a measured
         # run starts from what the real worker's warm-up left (Topology.extra["prefill_rates"])
         self.prefill_rate = float(sim.topo.extra.get("prefill_rates", {}).get(name, 0.0))
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens this worker has still to compute, as ``EngineLoop.queued_prefill_tokens``
+        reports them in heartbeats: every sequence it holds (a prompt's prefix-cache hits count
+        until it is scheduled, as in the engine) and the prompts in its inbox."""
+        total = sum(seq.num_prompt_tokens for kind, seq in self.inbox if kind == "new")
+        for seq in self.sched.waiting:
+            total += seq.num_prompt_tokens - seq.num_computed_tokens
+        for seq in self.sched.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                total += seq.num_prompt_tokens - seq.num_computed_tokens
+        return total
+
     # --- arrivals ---------------------------------------------------------------------
     def deliver(self, now: float, kind: str, seq: SimSeq) -> None:
         self.inbox.append((kind, seq))
-        if kind == "new":
-            self.queued_prefill_tokens += seq.num_prompt_tokens
         if not self.busy:
             self.start(now)
         else:
@@ -257,8 +267,6 @@ class SimWorker:
                 continue
             samples = item.samples
             seq.num_computed_tokens += item.num_new_tokens
-            if item.num_new_tokens > 1 or seq.num_output_tokens == 0:
-                self.queued_prefill_tokens -= min(item.num_new_tokens, self.queued_prefill_tokens)
             if not samples:
                 self.bm.cache_full_blocks(seq)
                 continue

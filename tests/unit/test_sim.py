@@ -341,3 +341,15 @@ def test_work_items_go_to_the_worker_whose_fetch_waited_longest():
         sim._pull(sim.decode, 10.0)
         wins.add(sim._pull(sim.decode, 11.5).name)
     assert wins == {"worker-0", "worker-1"}
+
+
+def test_queued_prefill_tokens_do_not_keep_prefix_hits():
+    # shared system prompts: most of each prompt is a prefix-cache hit. Once every request is
+    # served the prefill worker has nothing left to compute, and a light load is never refused
+    reqs = trace.shared_prefix(120, 0.5, seed=5)
+    topo = Topology(mode="disaggregated", prefill=1, decode=1, max_queue_time_s=5.0,
+                    extra={"prefill_rates": {"prefill-0": 2560.0}})
+    sim = Simulation(topo, _profile())
+    res = sim.run(reqs)
+    assert sim.refused == 0 and res.finished == len(reqs)
+    assert sim.prefill[0].queued_prefill_tokens == 0 and sim.admitted_tokens == 0
