@@ -144,9 +144,9 @@ class Settings:
         "CPU, GGUF (or int8) weights: the block kernels' arithmetic. float32: weights widened to "
         "float32, exact sums. int8: each matmul input row quantized per 32 values to int8, integer dot "
         "products (llama.cpp's scheme; the quality gate measures it). bf16: in a bfloat16 model on an "
-        "AVX512-BF16 CPU, weights and inputs rounded to bf16, bf16 dot products. auto: int8 on CPUs "
-        "without AVX-512; bf16 for a bfloat16 model (PD_DTYPE=auto there) on AVX512-BF16; else float32 "
-        "(each the fastest measured there, docs/decisions.md).",
+        "AVX512-BF16 CPU, weights and inputs rounded to bf16, bf16 dot products. auto: bf16 for a bfloat16 "
+        "model (PD_DTYPE=auto there) on AVX512-BF16; else float32 (int8 was faster on AVX2 but changed a "
+        "greedy known answer there, docs/decisions.md).",
         default="auto",
     )
 

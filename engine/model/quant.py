@@ -66,8 +66,11 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
     or ``auto``, which is, measured per CPU kind (docs/decisions.md, "Int8 activations on AVX2"
     and "bf16 dot products timed on AVX512-BF16"):
 
-    * ``int8`` on a CPU without AVX-512 (AVX2 EPYC: the integer dot products run 1.4-2.2x the
-      float32 loops' GFLOP/s, and the batch-1 decode step is faster);
+    * ``float32`` on a CPU without AVX-512 too: ``int8`` there ran the integer dot products at
+      1.4-2.2x the float32 loops' GFLOP/s, but on the AVX2 EPYC (2026-12-03) its rounding turned
+      SmolLM2's greedy answer to "What is the capital of France?" into another sentence than the
+      float32 reference's (``tests/e2e/test_smollm2_reference.py``): exact sums first, ``int8``
+      stays an opt-in (``PD_BLOCK_DOT=int8``);
     * ``bf16`` with AVX512-BF16 when the model computes in bfloat16 (``dtype``; what
       ``PD_DTYPE=auto`` picks there). On the AVX-512 EPYC (Zen 4 class) its loops run 1.3-2.4x
       the float32 ones from 4 rows up, and the engine decoded 1.6-1.8x the tokens/s at batch
@@ -91,7 +94,7 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
         cpu_flags = _cpu_flags()
     flags = set(cpu_flags.split())
     if not {"avx512f", "avx512bw"} <= flags:
-        return "int8"
+        return "float32"
     return "bf16" if "avx512_bf16" in flags and dtype == torch.bfloat16 else "float32"
 
 

@@ -56,7 +56,7 @@ def expected_resolution(flags: str) -> tuple[torch.dtype, str]:
     native_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     if native_bf16:
         return torch.bfloat16, "bf16" if "avx512_bf16" in flags else "float32"
-    return torch.float32, "float32" if "avx512f" in flags else "int8"
+    return torch.float32, "float32"
 
 
 @pytest.fixture(scope="module")

@@ -119,8 +119,8 @@ def test_int8_activations_round_x_per_32_like_llama_cpp(qtype):
 def test_block_dot_auto_is_int8_without_avx512_and_refuses_unknown_values():
     from engine.model.quant import resolve_block_dot
 
-    assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c") == "int8"
-    assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c", dtype=torch.bfloat16) == "int8"
+    assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c") == "float32"
+    assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c", dtype=torch.bfloat16) == "float32"
     assert resolve_block_dot("auto", "avx2 fma avx512f avx512bw avx512_vnni") == "float32"
     # bf16 dot products where the CPU has them and the model computes in bfloat16
     bf16_cpu = "avx2 fma avx512f avx512bw avx512_vnni avx512_bf16"
