@@ -39,7 +39,7 @@ EMULATED = pytest.param("Q4_1 bf16-emulated", marks=[pytest.mark.slow, pytest.ma
 def bf16_model(request, tiny_model_dir):
     """The tiny model in bfloat16 with float weights (the mode's unfused path) and with GGUF-style
     Q4_1 blocks (the default model's storage: every step through the fused per-row path), with
-    the float32 block loops, with int8 activations (PD_BLOCK_DOT=int8, auto on AVX2 CPUs) and
+    the float32 block loops, with int8 activations (PD_BLOCK_DOT=int8, opt-in) and
     with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs only; skipped
     elsewhere), and the same through the test builds that emulate the AVX512-BF16 instructions
     in scalar code (``PDQ_BF16_EMULATE``), so the engine's bf16 path runs on any CPU."""
