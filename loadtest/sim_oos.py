@@ -196,10 +196,8 @@ def twin(topo, prof: Profile, args):
     from sim.profile import CostModel
 
     rate = CostModel(prof).prefill_rate()
-    names = ([f"worker-{i}" for i in range(topo.workers)] if topo.mode == "aggregated" else
-             [f"prefill-{i}" for i in range(topo.prefill)] + [f"decode-{i}" for i in range(topo.decode)])
     return replace(cal.calibrated_topology(topo), max_queue_time_s=args.max_queue_time,
-                   extra={**topo.extra, "prefill_rates": {n: rate for n in names}})
+                   extra={**topo.extra, "prefill_rates": {"*": rate}})
 
 
 #: Simulations per predicted run (the fetches' phases and the step jitter drawn anew each time);
@@ -220,7 +218,9 @@ def predict(prof: Profile, measured: dict, args, seeds: int = SEEDS) -> dict:
         if (mode, trace, rate) not in cache:  # the repeats send the same lengths and arrivals
             runs = [simulate(workload(trace, float(rate), args), topos[mode], prof, args.slo_ttft, args.slo_tpot,
                              seed=s) for s in range(seeds)]
-            med = dict(runs[0])
+            # only the medians: one seed's other fields (utilization, rates) are one draw, not the run's
+            med = {"requests": runs[0]["requests"], "seeds": seeds,
+                   "finished": statistics.median(r["finished"] for r in runs)}
             for metric in ("ttft", "itl", "tpot"):  # None where a seed had none (no request finished)
                 med[metric] = {q: (statistics.median(r[metric][q] for r in runs)
                                    if all(r[metric][q] is not None for r in runs) else None)
@@ -308,7 +308,8 @@ def resolved_ranking(measured: dict, predicted: dict) -> list[dict]:
     tells apart — every repeat of one mode below every repeat of the other (at least two
     repeats each) — and whether the prediction orders each such pair the same way (the
     prediction is one per cell: the repeats send the same lengths and arrivals). A pair whose
-    repeats interleave is unresolved: run-to-run noise decides its order. ``right`` is True
+    repeats interleave is unresolved: run-to-run noise decides its order; a predicted tie counts
+    as wrong. ``right`` is True
     when every resolved pair is right (also when there is none: ``resolved`` 0)."""
     cells: dict[tuple, dict[str, list[str]]] = {}
     for k in measured:
@@ -327,7 +328,8 @@ def resolved_ranking(measured: dict, predicted: dict) -> list[dict]:
                         resolved += 1
                         pa = predicted[by_mode[a][0]][metric]["p90"]
                         pb = predicted[by_mode[b][0]][metric]["p90"]
-                        right += (max(va) < min(vb)) == (pa < pb)
+                        # a predicted tie (or no prediction) orders nothing: not right
+                        right += (None not in (pa, pb) and pa != pb and (max(va) < min(vb)) == (pa < pb))
             out.append({"trace": trace, "rate": float(rate), "metric": metric, "resolved": resolved,
                         "right_pairs": right, "pairs": len(modes) * (len(modes) - 1) // 2,
                         "right": right == resolved})

@@ -95,17 +95,13 @@ def fit(profile: Profile, logs: list[StepLog], window: tuple[float, float] | Non
     profile's context-attention term on the run's prefill steps (:func:`_attention`: only
     where the run has chunks after a context); the result's ``prefill_ctx_attn_s`` is in the
     profile's units, before scaling by the prefill ratio."""
-    ctx = _ctx_attn(profile)
+    ctx = profile.ctx_attn_s
     first = _ratios(profile, logs, window, decode_by_point)
     attn = _attention(profile, first)
     if attn is None:
         return first | {"prefill_ctx_attn_s": ctx}
     return _ratios(replace(profile, prefill_ctx_attn_s=attn), logs, window, decode_by_point) | {
         "prefill_ctx_attn_s": attn}
-
-
-def _ctx_attn(profile: Profile) -> float:
-    return profile.prefill_attn_s if profile.prefill_ctx_attn_s is None else profile.prefill_ctx_attn_s
 
 
 def _attention(profile: Profile, f: dict) -> float | None:
@@ -321,7 +317,7 @@ def apply(profile: Profile, f: dict, timeline: bool = True) -> Profile:
     d = {
         "prefill_s": [x * r for x, r in zip(profile.prefill_s, f.get("prefill_by_tokens") or [f["prefill"]] * 99)],
         "prefill_attn_s": profile.prefill_attn_s * f["prefill"],
-        "prefill_ctx_attn_s": f.get("prefill_ctx_attn_s", _ctx_attn(profile)) * f["prefill"],
+        "prefill_ctx_attn_s": f.get("prefill_ctx_attn_s", profile.ctx_attn_s) * f["prefill"],
         "decode_s": [x * r for x, r in zip(profile.decode_s, f.get("decode_by_batch") or [f["decode"]] * 99)],
         "decode_ctx_s": profile.decode_ctx_s * f["decode"],
         "step_fixed_s": profile.step_fixed_s * f["decode"],

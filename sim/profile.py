@@ -226,6 +226,12 @@ class Profile:
         raise ValueError(f"profile {self.name} has no figures for the {kind} KV store "
                          f"(it has {', '.join(sorted({self.kv_store, *self.kv_stores}))})")
 
+    @property
+    def ctx_attn_s(self) -> float:
+        """Seconds per (chunk token × earlier context token): ``prefill_ctx_attn_s``, or
+        ``prefill_attn_s`` where the profile has no separate context term."""
+        return self.prefill_attn_s if self.prefill_ctx_attn_s is None else self.prefill_ctx_attn_s
+
     def import_cost(self) -> tuple[float, float]:
         """(fixed seconds, seconds per byte) of the decode engine thread's KV import."""
         fixed = self.kv_load_fixed_s if self.kv_import_fixed_s is None else self.kv_import_fixed_s
@@ -278,7 +284,7 @@ class CostModel:
         self._decode[0] = 0.0
         self.max_tokens, self.max_batch = max_tokens, max_batch
         self.attn = profile.prefill_attn_s
-        self.ctx_attn = profile.prefill_attn_s if profile.prefill_ctx_attn_s is None else profile.prefill_ctx_attn_s
+        self.ctx_attn = profile.ctx_attn_s
         self.ctx = profile.decode_ctx_s
         self.fixed = profile.step_fixed_s
         self.kv_bpt = profile.kv_bytes_per_token
@@ -291,8 +297,14 @@ class CostModel:
         return self._prefill[self.max_tokens] * n / self.max_tokens
 
     def prefill_whole(self, n: int) -> float:
-        """Seconds to prefill an ``n``-token prompt in one step, attention over itself included."""
-        return self.prefill(n) + self.attn * n * n / 2
+        """Seconds to prefill an ``n``-token prompt in one step, attention over itself included.
+
+        The table's ``prefill(n)`` holds the prompt's ``n²/2`` attention pairs already (it was
+        measured on whole prompts); past its last point ``L`` it is extrapolated linearly, which
+        misses ``(n - L)²/2`` of the pairs (the quadratic term's growth beyond the tangent at
+        ``L``): those are added at ``prefill_attn_s``."""
+        beyond = max(0, n - self.p.prefill_tokens[-1]) if self.p.prefill_tokens else 0
+        return self.prefill(n) + self.attn * beyond * beyond / 2
 
     def decode_step(self, batch: int, context_tokens: int) -> float:
         """Seconds of a decode step of ``batch`` sequences holding ``context_tokens`` in all."""

@@ -28,8 +28,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from services.gateway.tenancy.waits import DEFAULT_PREFILL_TOKENS_PER_S
+from services.gateway.tenancy.waits import WaitAdmission
 from services.tokenizer.router import Router
+from shared.config import Settings
 from shared.messages import Heartbeat
 from sim.metrics import SimResult, summarize
 from sim.profile import CostModel, Profile
@@ -195,7 +196,9 @@ class Simulation:
         self._full: set[str] = set()  # workers holding max_num_seqs (no fetch out)
         self._hb: dict[str, Heartbeat] = {}
         self.done = 0
-        self.admitted_tokens = 0  # prompt tokens admitted and before their first token (the gateway's backlog)
+        # the gateway's admission (services/gateway/tenancy/waits.py): its own backlog of prompt
+        # tokens admitted and before their first token, and its predicted-wait rule
+        self.admission = WaitAdmission(Settings(max_queue_time_s=topo.max_queue_time_s))
         self.refused = 0
 
     # --- events -----------------------------------------------------------------------
@@ -210,7 +213,6 @@ class Simulation:
         self.n_out = [0] * n
         self.arrival = [r.arrival_s for r in requests]
         started, cpu0 = time.perf_counter(), time.process_time()
-        self.prompt_tokens = [r.prompt_tokens for r in requests]
         for r in requests:
             if self.topo.max_queue_time_s > 0:
                 self.push(r.arrival_s, self._admit, r)
@@ -234,16 +236,15 @@ class Simulation:
                              "import_s": sum(w.import_s for w in self.decode)})
 
     def _admit(self, now: float, req) -> None:
-        """The gateway's admission by predicted wait (``services/gateway/tenancy/waits.py``,
-        its prefill-queue rule): refused when the prompt tokens admitted ahead over the prefill
-        workers' reported rates exceed ``max_queue_time_s``."""
-        pool = self.prefill or self.decode  # no prefill worker: the decode workers prefill
-        rate = sum(self._heartbeat(now, w).prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S for w in pool)
-        worker_side = sum(self._heartbeat(now, w).queued_prefill_tokens for w in pool)
-        if max(self.admitted_tokens, worker_side) / rate > self.topo.max_queue_time_s:
+        """The gateway's admission by predicted wait: :meth:`WaitAdmission.predict` over the
+        workers' last heartbeats and the admitted backlog; refused when the predicted queue
+        passes ``max_queue_time_s`` (``queue_time_exceeded``)."""
+        beats = {"prefill": [self._heartbeat(now, w) for w in self.prefill],
+                 "decode": [self._heartbeat(now, w) for w in self.decode]}  # aggregated workers decode
+        if self.admission.predict(req.prompt_tokens, 0, beats).queue_s > self.topo.max_queue_time_s:
             self.refused += 1
             return
-        self.admitted_tokens += req.prompt_tokens
+        self.admission.backlog.add(str(req.idx), "", self.admission.backlog_tokens(req.prompt_tokens), 0)
         self._arrive(req)
 
     def _arrive(self, req) -> None:
@@ -415,8 +416,10 @@ class Simulation:
         jit = self.jitter if k > 1 else ()
         if seq.last_t < 0:
             self.first[i] = first_end + self.out_delay + self.tok_cpu + self.p.pipeline_s
-            if self.topo.max_queue_time_s > 0:
-                self.admitted_tokens -= self.prompt_tokens[i]
+            if self.admission.backlog.prefilled(str(i)) is not None:
+                # the gateway learns the computed share from usage at the request's end; here at
+                # its first token (the hits are known by then)
+                self.admission.learn_cached(seq.num_prompt_tokens, seq.num_cached_tokens)
         elif jit:
             wait, w = first_end - seq.last_t - step_s, 1 / len(jit)
             for j in jit:

@@ -117,8 +117,10 @@ class SimWorker:
         self.version = 0  # bumps when the pending segment event is replaced
         self.seg = None  # (t0, k, t1, dt, factor, plan) of the segment in flight
         # EWMA tokens/s of steps of ≥ 32 tokens, as EngineLoop reports it; a replay of a measured
-        # run starts from what the real worker's warm-up left (Topology.extra["prefill_rates"])
-        self.prefill_rate = float(sim.topo.extra.get("prefill_rates", {}).get(name, 0.0))
+        # run starts from what the real worker's warm-up left (Topology.extra["prefill_rates"]:
+        # by worker name, "*" for every worker not named)
+        rates = sim.topo.extra.get("prefill_rates", {})
+        self.prefill_rate = float(rates.get(name, rates.get("*", 0.0)))
 
     @property
     def queued_prefill_tokens(self) -> int:

@@ -71,10 +71,15 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
       SmolLM2's greedy answer to "What is the capital of France?" into another sentence than the
       float32 reference's (``tests/e2e/test_smollm2_reference.py``): exact sums first, ``int8``
       stays an opt-in (``PD_BLOCK_DOT=int8``);
-    * ``bf16`` with AVX512-BF16 when the model computes in bfloat16 (``dtype``; what
+    * ``bf16`` with AVX512-BF16 and no AMX when the model computes in bfloat16 (``dtype``; what
       ``PD_DTYPE=auto`` picks there). On the AVX-512 EPYC (Zen 4 class) its loops run 1.3-2.4x
       the float32 ones from 4 rows up, and the engine decoded 1.6-1.8x the tokens/s at batch
       8-64 and prefilled 1.6-2.4x faster, as fast at batch 1;
+    * ``float32`` on an AMX Xeon (``amx_tile``; Sapphire Rapids class, 2026-12-03) even for a
+      bfloat16 model: there the same bf16 loops ran 0.58-0.91x the float32 ones at 1-128 rows,
+      and the engine decoded 1.15x faster at batch 1 and 1.06x at 8-64 with float32, prefill
+      equal (``pdserve bench block-kernel``, ``pdserve bench engine --quick``; docs/decisions.md,
+      "Issue 29's figures by machine class");
     * ``float32`` otherwise on AVX-512 (16-lane float32 loops, exact; the int8 loops measured
       slower there from 4 rows up).
 
@@ -95,7 +100,8 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
     flags = set(cpu_flags.split())
     if not {"avx512f", "avx512bw"} <= flags:
         return "float32"
-    return "bf16" if "avx512_bf16" in flags and dtype == torch.bfloat16 else "float32"
+    bf16_wins = "avx512_bf16" in flags and "amx_tile" not in flags
+    return "bf16" if bf16_wins and dtype == torch.bfloat16 else "float32"
 
 
 def _kernel_has_bf16() -> bool:

@@ -13,6 +13,7 @@ import pytest
 from services.gateway.tenancy.waits import QueueFull, WaitAdmission
 from shared.config import Settings
 from shared.messages import ChatMessage, Heartbeat, RequestMeta, SamplingParams, TokenizeTask
+from shared.messages import Accepted, TextChunk, Usage
 from tests.unit.test_gateway import BODY, client_for, make, run, texts
 
 
@@ -120,6 +121,51 @@ def test_the_characters_per_token_ratio_is_learned_from_the_tokenizers_counts():
     assert before > 1300 and w.estimate_prompt_tokens(t) == pytest.approx(1000, rel=0.05)
     chat = TokenizeTask(meta=t.meta, sampling=t.sampling, messages=[ChatMessage(role="user", content="y" * 400)])
     assert w.estimate_prompt_tokens(chat) > 100  # its text and the template's tokens
+
+
+def test_prompts_count_at_the_share_prefill_computes_learned_from_usage():
+    """Requests sharing a long system prompt: 900 of each 1,000 prompt tokens come from the
+    prefix cache. Counted at full length, five admitted prompts predict 5,000 tokens ahead
+    (10 s at 500 tokens/s: refused at a 6 s limit); once the gateway has learned from its
+    finished requests that prefill computes ~10 % of a prompt, they predict ~500 (admitted)."""
+    quiet = {"prefill": [hb("prefill", "p1", prefill_tokens_per_s=500.0, queued_prefill_tokens=0)]}
+    full = waits(max_queue_time_s=6.0)
+    for i in range(5):
+        full.admitted(f"r{i}", "k", 1000, 8)
+    with pytest.raises(QueueFull):
+        full.check("k", [task("new", token_ids=[1] * 1000)], 8, quiet)
+
+    learned = waits(max_queue_time_s=6.0)
+    for _ in range(60):
+        learned.learn_cached(1000, 900)
+    assert learned.computed_share == pytest.approx(0.1, abs=0.01)
+    for i in range(5):
+        learned.admitted(f"r{i}", "k", 1000, 8)
+    assert learned.backlog.prompt_tokens == pytest.approx(500, rel=0.05)
+    learned.check("k", [task("new", token_ids=[1] * 1000)], 8, quiet)  # admitted
+    # a fully cached prompt still counts a little, and nonsense usage is ignored
+    learned.learn_cached(1000, 5000)
+    learned.learn_cached(0, 0)
+    assert learned.computed_share >= 0.05
+
+
+def test_the_gateway_learns_the_computed_share_from_its_answers_usage(tiny_model_dir):
+    def script(t):
+        rid = t.meta.request_id
+        return [(0.0, Accepted(request_id=rid, num_prompt_tokens=400, max_tokens=8)),
+                (0.0, TextChunk(request_id=rid, text="ok", text_offset=0, num_tokens=1, finish_reason="stop",
+                                usage=Usage(400, 1, 384)))]
+
+    app, _ = make(tiny_model_dir, script, max_queue_time_s=5.0)
+
+    async def go():
+        async with client_for(app) as c:
+            for _ in range(3):
+                assert (await c.post("/v1/chat/completions", json=BODY)).status_code == 200
+
+    run(go())
+    share = app.state.gateway.admission.waits.computed_share
+    assert share == pytest.approx(1 - 0.271 * 0.96, abs=0.01)  # 1 - (1 - 0.9^3) x (1 - 16/400)
 
 
 def test_gateway_answers_503_with_retry_after_and_counts_the_decision(tiny_model_dir):

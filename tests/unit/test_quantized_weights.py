@@ -116,7 +116,7 @@ def test_int8_activations_round_x_per_32_like_llama_cpp(qtype):
         _kernel_rows(layer, x, ext, True, int8=True)
 
 
-def test_block_dot_auto_is_int8_without_avx512_and_refuses_unknown_values():
+def test_block_dot_auto_is_bf16_only_where_it_measured_faster_and_refuses_unknown_values():
     from engine.model.quant import resolve_block_dot
 
     assert resolve_block_dot("auto", "fpu sse avx avx2 fma f16c") == "float32"
@@ -127,6 +127,8 @@ def test_block_dot_auto_is_int8_without_avx512_and_refuses_unknown_values():
     assert resolve_block_dot("auto", bf16_cpu, dtype=torch.bfloat16) == "bf16"
     assert resolve_block_dot("auto", bf16_cpu, dtype=torch.float32) == "float32"
     assert resolve_block_dot("auto", "avx2 fma avx512f avx512bw", dtype=torch.bfloat16) == "float32"
+    # on an AMX Xeon the float32 loops measured faster than its bf16 dot products
+    assert resolve_block_dot("auto", bf16_cpu + " amx_bf16 amx_tile amx_int8", dtype=torch.bfloat16) == "float32"
     for dot in ("float32", "int8", "bf16"):
         assert resolve_block_dot(dot, "avx2 fma") == dot
     with pytest.raises(ValueError, match="PD_BLOCK_DOT"):

@@ -352,4 +352,13 @@ def test_queued_prefill_tokens_do_not_keep_prefix_hits():
     sim = Simulation(topo, _profile())
     res = sim.run(reqs)
     assert sim.refused == 0 and res.finished == len(reqs)
-    assert sim.prefill[0].queued_prefill_tokens == 0 and sim.admitted_tokens == 0
+    assert sim.prefill[0].queued_prefill_tokens == 0 and sim.admission.backlog.prompt_tokens == 0
+
+
+def test_a_whole_prompt_counts_its_attention_once():
+    # the table's points were measured on whole prompts: their attention is in them already
+    cost = CostModel(_profile(prefill_attn_s=1e-7))
+    assert cost.prefill_whole(512) == pytest.approx(cost.prefill(512))
+    assert cost.prefill_whole(2048) == pytest.approx(0.8)
+    # past the last point the linear extrapolation misses the quadratic growth beyond its tangent
+    assert cost.prefill_whole(4096) == pytest.approx(cost.prefill(4096) + 1e-7 * 2048**2 / 2)

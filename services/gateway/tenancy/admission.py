@@ -187,6 +187,7 @@ class Admission:
         if ticket is None:
             return
         self.waits.finished(ticket.request_id)
+        self._learn_cached(choices)
         used = sum(c.num_prompt_tokens + c.num_tokens for c in choices)
         name, quota = ticket.tenant.name, self.quota(ticket.tenant)
         if ticket.store:
@@ -199,6 +200,16 @@ class Admission:
                 cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.usage.cached_tokens if c.usage else 0)
             self._spawn(self.usage.record(name, outcome, sum(prompt.values()), sum(cached.values()),
                                           sum(c.num_tokens for c in choices)))
+
+    def _learn_cached(self, choices: list) -> None:
+        """Teach the predicted-wait rule how much of a prompt the prefix cache served: each
+        prompt once (its choices share it), from the usage its last chunk carried."""
+        seen: dict[int, tuple[int, int]] = {}
+        for c in choices:
+            if c.usage is not None and c.usage.prompt_tokens:
+                seen[c.prompt_index] = (c.usage.prompt_tokens, c.usage.cached_tokens)
+        for prompt, cached in seen.values():
+            self.waits.learn_cached(prompt, cached)
 
     def record_refusal(self, tenant: Tenant, outcome: str) -> None:
         if self.keys.is_on:

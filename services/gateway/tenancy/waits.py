@@ -40,6 +40,13 @@ Estimated prompt tokens: the gateway does not tokenize on the request path; it c
 characters and divides by a characters-per-token ratio learned from the tokenizer's own counts
 (``Accepted.num_prompt_tokens`` of the requests it served), with token id prompts counted
 exactly.
+
+Prefix-cache hits: what a prompt adds to the backlog is the part prefill will compute, not its
+length. The gateway cannot see which blocks a worker holds when it admits, so it counts each
+admitted prompt at the share of prompt tokens its finished requests did compute
+(``1 - cached_tokens / prompt_tokens`` of their usage, an EWMA: :meth:`WaitAdmission.learn_cached`).
+Without it a deployment whose requests share long system prompts refused work for a predicted
+queue of 61 s while the requests it served waited 20-30 s (issue 34, the ``prefix`` runs).
 """
 
 from __future__ import annotations
@@ -74,6 +81,11 @@ FAIR_SHARE_ONSET = 0.5
 ACTIVE_KEY_WINDOW_S = 10.0
 #: Longest Retry-After given (s).
 MAX_RETRY_AFTER_S = 60.0
+#: Weight of one finished request in the EWMA of the computed share of prompt tokens.
+COMPUTED_SHARE_WEIGHT = 0.1
+#: Least computed share assumed (a prompt is never free: its last token is always computed,
+#: and a cache can be evicted between two requests).
+MIN_COMPUTED_SHARE = 0.05
 
 
 class QueueFull(Overloaded):
@@ -182,6 +194,7 @@ class WaitAdmission:
         self.fair_share = settings.admission_fair_share
         self.backlog = AdmittedBacklog()
         self.chars_per_token = INITIAL_CHARS_PER_TOKEN
+        self.computed_share = 1.0  # of admitted prompt tokens that prefill computes (learn_cached)
         self.refused_at: dict[str, float] = {}  # key → monotonic time of its last refusal
         self.metrics = admission_metrics()
 
@@ -210,6 +223,20 @@ class WaitAdmission:
         if chars < 64 or tokens <= 0:
             return  # too short to say anything about the text's ratio
         self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * min(8.0, max(1.0, chars / tokens))
+
+    def learn_cached(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Update the computed share of prompt tokens from a served prompt's usage
+        (``prompt_tokens``, of which ``cached_tokens`` came from the prefix cache or the KV
+        store): EWMA with weight :data:`COMPUTED_SHARE_WEIGHT`, at least :data:`MIN_COMPUTED_SHARE`."""
+        if prompt_tokens <= 0:
+            return
+        share = max(MIN_COMPUTED_SHARE, 1.0 - min(cached_tokens, prompt_tokens) / prompt_tokens)
+        self.computed_share += COMPUTED_SHARE_WEIGHT * (share - self.computed_share)
+
+    def backlog_tokens(self, prompt_tokens: int) -> int:
+        """Prompt tokens an admitted prompt of ``prompt_tokens`` adds to the prefill backlog: its
+        expected computed part (:attr:`computed_share`, learned from finished requests)."""
+        return math.ceil(prompt_tokens * self.computed_share)
 
     # --- prediction --------------------------------------------------------------------------
     def predict(self, prompt_tokens: int, output_tokens: int, heartbeats: dict[str, list[Heartbeat]],
@@ -290,8 +317,9 @@ class WaitAdmission:
         raise QueueFull(message, code=code, retry_after_s=min(MAX_RETRY_AFTER_S, max(1.0, excess_s)))
 
     def admitted(self, request_id: str, key: str, prompt_tokens: int, output_tokens: int) -> None:
-        """Count an admitted request in the backlog (until its first token / its end)."""
-        self.backlog.add(request_id, key, prompt_tokens, output_tokens)
+        """Count an admitted request in the backlog (until its first token / its end), at the
+        computed part of its ``prompt_tokens`` (:meth:`backlog_tokens`)."""
+        self.backlog.add(request_id, key, self.backlog_tokens(prompt_tokens), output_tokens)
         self.metrics["decisions"].labels("admitted", "ok").inc()
         self.metrics["backlog_tokens"].set(self.backlog.prompt_tokens)
 
