@@ -246,10 +246,17 @@ def rows(measured: dict, predicted: dict, fit_key: str) -> list[dict]:
     return out
 
 
+def same_order(ma: float, mb: float, pa: float | None, pb: float | None) -> bool:
+    """Whether predictions ``pa``, ``pb`` order two modes as their measured ``ma``, ``mb`` do;
+    a predicted tie, or a missing prediction, orders nothing (not right)."""
+    return pa is not None and pb is not None and pa != pb and (ma < mb) == (pa < pb)
+
+
 def ranking(measured: dict, predicted: dict, fit_key: str, tie: float) -> list[dict]:
     """Per (trace, rate, repeat) with every mode measured, and per metric (TTFT p90, ITL p90):
     whether the predicted order of the modes is the measured one. Two modes whose measured
-    values differ by less than ``tie`` (relative) are a tie: either order of that pair is right.
+    values differ by less than ``tie`` (relative) are a tie: either order of that pair is right;
+    otherwise a predicted tie is wrong (:func:`same_order`).
     ``pairs``: the pairs in the right order out of all pairs."""
     groups: dict[tuple, dict] = {}
     for k in measured:
@@ -267,11 +274,12 @@ def ranking(measured: dict, predicted: dict, fit_key: str, tie: float) -> list[d
             for i, a in enumerate(modes):
                 for b in modes[i + 1:]:
                     total += 1
-                    if abs(ms[a] - ms[b]) <= tie * max(ms[a], ms[b]) or (ms[a] < ms[b]) == (ps[a] < ps[b]):
+                    if abs(ms[a] - ms[b]) <= tie * max(ms[a], ms[b]) or same_order(ms[a], ms[b], ps[a], ps[b]):
                         right += 1
             out.append({"trace": trace, "rate": float(rate), "rep": int(rep), "metric": metric,
                         "right": right == total, "pairs": [right, total],
-                        "measured": sorted(modes, key=ms.get), "predicted": sorted(modes, key=ps.get),
+                        "measured": sorted(modes, key=ms.get),
+                        "predicted": sorted(modes, key=lambda m: float("inf") if ps[m] is None else ps[m]),
                         "has_fit": fit_key in by_mode.values()})
     return out
 
@@ -328,8 +336,8 @@ def resolved_ranking(measured: dict, predicted: dict) -> list[dict]:
                         resolved += 1
                         pa = predicted[by_mode[a][0]][metric]["p90"]
                         pb = predicted[by_mode[b][0]][metric]["p90"]
-                        # a predicted tie (or no prediction) orders nothing: not right
-                        right += (None not in (pa, pb) and pa != pb and (max(va) < min(vb)) == (pa < pb))
+                        right += same_order(max(va), min(vb), pa, pb) if max(va) < min(vb) else same_order(
+                            min(va), max(vb), pa, pb)
             out.append({"trace": trace, "rate": float(rate), "metric": metric, "resolved": resolved,
                         "right_pairs": right, "pairs": len(modes) * (len(modes) - 1) // 2,
                         "right": right == resolved})

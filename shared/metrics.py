@@ -165,7 +165,7 @@ def admission_metrics() -> dict:
         "predicted_wait": Histogram("pd_gateway_predicted_wait_seconds",
                                     "predicted queue time of each new request", buckets=LATENCY_BUCKETS),
         "backlog_tokens": Gauge("pd_gateway_admitted_backlog_tokens",
-                                "prompt tokens this gateway admitted that have no first token yet"),
+                                "prompt tokens this gateway admitted that have no first token yet, at the share prefill is expected to compute"),
     }
 
 

@@ -221,7 +221,7 @@ def bad_argument(args: argparse.Namespace) -> str | None:
 
 
 #: What the printed percentiles' error band is: none measured out of sample yet (issue 34).
-ERROR_BAND = ("  error band: unvalidated for this profile — out of sample on CPU deployments 39% of p50/p90 predictions fell within 15%, where the runs' own repeats agreed within 15% 48% of the time (docs/sim-validation.md) "
+ERROR_BAND = ("  error band: unvalidated for this profile — out of sample on CPU deployments 40% of p50/p90 predictions fell within 15%, where the runs' own repeats agreed within 15% 48% of the time (docs/sim-validation.md) "
               "(`pdserve bench sim-validate`); the percentiles are the model's prediction")
 
 

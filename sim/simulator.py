@@ -238,13 +238,15 @@ class Simulation:
     def _admit(self, now: float, req) -> None:
         """The gateway's admission by predicted wait: :meth:`WaitAdmission.predict` over the
         workers' last heartbeats and the admitted backlog; refused when the predicted queue
-        passes ``max_queue_time_s`` (``queue_time_exceeded``)."""
+        passes ``max_queue_time_s`` (``queue_time_exceeded``; the deadline rule is not
+        modelled). The heartbeats carry no measured decode step, so a wait for a decode slot
+        (every ``max_num_seqs`` taken) is predicted at the gateway's default step."""
         beats = {"prefill": [self._heartbeat(now, w) for w in self.prefill],
                  "decode": [self._heartbeat(now, w) for w in self.decode]}  # aggregated workers decode
         if self.admission.predict(req.prompt_tokens, 0, beats).queue_s > self.topo.max_queue_time_s:
             self.refused += 1
             return
-        self.admission.backlog.add(str(req.idx), "", self.admission.backlog_tokens(req.prompt_tokens), 0)
+        self.admission.admitted(str(req.idx), "", req.prompt_tokens, req.max_tokens)
         self._arrive(req)
 
     def _arrive(self, req) -> None:
@@ -309,7 +311,7 @@ class Simulation:
             return last
         hb = Heartbeat(w.role, w.name, "", now, prefill_tokens_per_s=w.prefill_rate,
                        queued_prefill_tokens=w.queued_prefill_tokens,
-                       num_running=len(w.sched.running))
+                       num_running=len(w.sched.running), capacity=w.max_num_seqs)
         self._hb[w.name] = hb
         return hb
 
@@ -449,6 +451,7 @@ class Simulation:
 
     def finished(self, seq, now: float) -> None:
         self.done += 1
+        self.admission.finished(str(seq.req.idx))  # its reserved output tokens leave the gateway's count
 
 
 def simulate(requests, topo: Topology, profile: Profile, slo_ttft_s: float = 5.0, slo_tpot_s: float = 0.25,

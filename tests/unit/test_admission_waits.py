@@ -143,10 +143,31 @@ def test_prompts_count_at_the_share_prefill_computes_learned_from_usage():
         learned.admitted(f"r{i}", "k", 1000, 8)
     assert learned.backlog.prompt_tokens == pytest.approx(500, rel=0.05)
     learned.check("k", [task("new", token_ids=[1] * 1000)], 8, quiet)  # admitted
-    # a fully cached prompt still counts a little, and nonsense usage is ignored
-    learned.learn_cached(1000, 5000)
-    learned.learn_cached(0, 0)
-    assert learned.computed_share >= 0.05
+    # token-weighted: one long prompt's hits count for more than a short one's misses
+    mixed = waits()
+    for _ in range(30):
+        mixed.learn_cached(100, 0)
+        mixed.learn_cached(10_000, 9_000)
+    assert mixed.computed_share == pytest.approx(1100 / 10_100, rel=0.05)
+    # a fully cached prompt still counts a little; nonsense usage neither raises nor passes 1
+    cached = waits()
+    cached.learn_cached(1000, 1000)
+    assert cached.computed_share == 0.05
+    cached.learn_cached(0, 0)
+    cached.learn_cached(1000, -50)
+    assert 0.05 <= cached.computed_share <= 1.0
+
+
+def test_fair_share_compares_the_computed_parts():
+    # two keys hold the backlog; key a's long prompt is mostly cached: its computed part fits
+    # its share, so it is admitted (counting it whole would refuse it)
+    w = waits(max_queue_time_s=6.0)
+    for _ in range(60):
+        w.learn_cached(1000, 900)
+    w.admitted("a1", "a", 10_000, 8)
+    w.admitted("b1", "b", 10_000, 8)
+    quiet = {"prefill": [hb("prefill", "p1", prefill_tokens_per_s=500.0, queued_prefill_tokens=0)]}
+    w.check("a", [task("a2", token_ids=[1] * 4000)], 8, quiet)  # 2,000 + 400 of a 3,000-token capacity
 
 
 def test_the_gateway_learns_the_computed_share_from_its_answers_usage(tiny_model_dir):
@@ -164,8 +185,8 @@ def test_the_gateway_learns_the_computed_share_from_its_answers_usage(tiny_model
                 assert (await c.post("/v1/chat/completions", json=BODY)).status_code == 200
 
     run(go())
-    share = app.state.gateway.admission.waits.computed_share
-    assert share == pytest.approx(1 - 0.271 * 0.96, abs=0.01)  # 1 - (1 - 0.9^3) x (1 - 16/400)
+    # each answer computed 16 of its 400 prompt tokens: 4 %, held at the 5 % floor
+    assert app.state.gateway.admission.waits.computed_share == 0.05
 
 
 def test_gateway_answers_503_with_retry_after_and_counts_the_decision(tiny_model_dir):

@@ -49,7 +49,7 @@ class Ticket:
     request_id: str
     reserved: int = 0
     store: str = ""
-    prompt_tokens: int = 0  # estimated, counted in the admitted backlog until the first token
+    prompt_tokens: int = 0  # estimated (whole); the admitted backlog counts its computed share until the first token
 
 
 class RedisOnLoop:
@@ -202,14 +202,12 @@ class Admission:
                                           sum(c.num_tokens for c in choices)))
 
     def _learn_cached(self, choices: list) -> None:
-        """Teach the predicted-wait rule how much of a prompt the prefix cache served: each
-        prompt once (its choices share it), from the usage its last chunk carried."""
-        seen: dict[int, tuple[int, int]] = {}
+        """Teach the predicted-wait rule how much of a prompt the prefix cache served, from the
+        usage each finished choice carried: every choice is a prefill of its own (admission
+        counted the prompt once per choice), with its own hits."""
         for c in choices:
             if c.usage is not None and c.usage.prompt_tokens:
-                seen[c.prompt_index] = (c.usage.prompt_tokens, c.usage.cached_tokens)
-        for prompt, cached in seen.values():
-            self.waits.learn_cached(prompt, cached)
+                self.waits.learn_cached(c.usage.prompt_tokens, c.usage.cached_tokens)
 
     def record_refusal(self, tenant: Tenant, outcome: str) -> None:
         if self.keys.is_on:

@@ -44,7 +44,10 @@ exactly.
 Prefix-cache hits: what a prompt adds to the backlog is the part prefill will compute, not its
 length. The gateway cannot see which blocks a worker holds when it admits, so it counts each
 admitted prompt at the share of prompt tokens its finished requests did compute
-(``1 - cached_tokens / prompt_tokens`` of their usage, an EWMA: :meth:`WaitAdmission.learn_cached`).
+(their usage's ``prompt_tokens - cached_tokens`` over ``prompt_tokens``, token-weighted EWMAs:
+:meth:`WaitAdmission.learn_cached`). The share is one per gateway, across keys: a key whose
+prompts all hit lowers it for the others (bounded by :data:`MIN_COMPUTED_SHARE`). The workers'
+own ``queued_prefill_tokens`` still count a queued prompt whole until it is scheduled.
 Without it a deployment whose requests share long system prompts refused work for a predicted
 queue of 61 s while the requests it served waited 20-30 s (issue 34, the ``prefix`` runs).
 """
@@ -128,7 +131,7 @@ class Prediction:
         return self.prefill_s + self.decode_s
 
     def describe(self) -> str:
-        return (f"predicted queue {self.queue_s:.1f}s: {self.backlog_tokens} prompt tokens ahead at "
+        return (f"predicted queue {self.queue_s:.1f}s: {self.backlog_tokens} prompt tokens to compute ahead at "
                 f"{self.rate_tokens_per_s:.0f} tokens/s" + (f" + {self.decode_slot_s:.1f}s for a decode slot"
                                                             if self.decode_slot_s else ""))
 
@@ -194,7 +197,10 @@ class WaitAdmission:
         self.fair_share = settings.admission_fair_share
         self.backlog = AdmittedBacklog()
         self.chars_per_token = INITIAL_CHARS_PER_TOKEN
-        self.computed_share = 1.0  # of admitted prompt tokens that prefill computes (learn_cached)
+        # EWMAs of served prompts' computed and prompt tokens (learn_cached); their ratio is the
+        # share of an admitted prompt's tokens prefill is expected to compute
+        self._computed_ewma = 0.0
+        self._prompt_ewma = 0.0
         self.refused_at: dict[str, float] = {}  # key → monotonic time of its last refusal
         self.metrics = admission_metrics()
 
@@ -225,13 +231,24 @@ class WaitAdmission:
         self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * min(8.0, max(1.0, chars / tokens))
 
     def learn_cached(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Update the computed share of prompt tokens from a served prompt's usage
-        (``prompt_tokens``, of which ``cached_tokens`` came from the prefix cache or the KV
-        store): EWMA with weight :data:`COMPUTED_SHARE_WEIGHT`, at least :data:`MIN_COMPUTED_SHARE`."""
+        """Learn from one served prefill (``prompt_tokens``, of which ``cached_tokens`` came from
+        the prefix cache or the KV store): EWMAs (weight :data:`COMPUTED_SHARE_WEIGHT`) of the
+        computed and the prompt tokens, so the share is weighted by tokens (a long prompt's hits
+        count for more than a short one's), as the backlog it scales is."""
         if prompt_tokens <= 0:
             return
-        share = max(MIN_COMPUTED_SHARE, 1.0 - min(cached_tokens, prompt_tokens) / prompt_tokens)
-        self.computed_share += COMPUTED_SHARE_WEIGHT * (share - self.computed_share)
+        computed = prompt_tokens - min(max(0, cached_tokens), prompt_tokens)
+        w = COMPUTED_SHARE_WEIGHT
+        self._computed_ewma += w * (computed - self._computed_ewma)
+        self._prompt_ewma += w * (prompt_tokens - self._prompt_ewma)
+
+    @property
+    def computed_share(self) -> float:
+        """Expected share of an admitted prompt's tokens that prefill computes: 1.0 before any
+        request finished, else the EWMAs' ratio, within [:data:`MIN_COMPUTED_SHARE`, 1]."""
+        if self._prompt_ewma <= 0:
+            return 1.0
+        return min(1.0, max(MIN_COMPUTED_SHARE, self._computed_ewma / self._prompt_ewma))
 
     def backlog_tokens(self, prompt_tokens: int) -> int:
         """Prompt tokens an admitted prompt of ``prompt_tokens`` adds to the prefill backlog: its
@@ -287,7 +304,8 @@ class WaitAdmission:
                          f"the server is overloaded: {p.describe()} + {p.own_s:.1f}s of its own work would "
                          f"pass the request's deadline in {max(0.0, left_s):.0f}s")
         if self.fair_share:
-            self._check_share(key, tokens, p, limit_s or max(0.0, left_s))
+            # the backlog holds the computed part of each prompt: compare like with like
+            self._check_share(key, self.backlog_tokens(tokens), p, limit_s or max(0.0, left_s))
         return tokens, p
 
     def _check_share(self, key: str, tokens: int, p: Prediction, limit_s: float) -> None:
@@ -301,7 +319,7 @@ class WaitAdmission:
         share = capacity / len(active)
         if mine + tokens > share:
             self._refuse(key, "fair_share_exceeded", (mine + tokens - share) / p.rate_tokens_per_s,
-                         f"this key has {mine} prompt tokens queued, over its share of {share:.0f} among "
+                         f"this key has {mine} prompt tokens to compute queued, over its share of {share:.0f} among "
                          f"{len(active)} keys waiting ({p.describe()})")
 
     def active_keys(self, now_mono: float | None = None) -> set[str]:
