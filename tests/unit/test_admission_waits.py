@@ -12,8 +12,16 @@ import pytest
 
 from services.gateway.tenancy.waits import QueueFull, WaitAdmission
 from shared.config import Settings
-from shared.messages import ChatMessage, Heartbeat, RequestMeta, SamplingParams, TokenizeTask
-from shared.messages import Accepted, TextChunk, Usage
+from shared.messages import (
+    Accepted,
+    ChatMessage,
+    Heartbeat,
+    RequestMeta,
+    SamplingParams,
+    TextChunk,
+    TokenizeTask,
+    Usage,
+)
 from tests.unit.test_gateway import BODY, client_for, make, run, texts
 
 
