@@ -17,7 +17,8 @@ BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench
               "sim-validate": "sim_oos", "sim-fit-replay": "sim_validate", "cancel": "bench_cancel",
               "invariant": "experiments.bench_invariant", "block-kernel": "experiments.bench_block_kernel",
               "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar",
-              "spec": "bench_spec", "cores": "bench_cores", "longmix": "bench_longmix"}
+              "spec": "bench_spec", "cores": "bench_cores", "longmix": "bench_longmix",
+              "amx-probe": "experiments.amx_probe"}
 
 
 def bench(argv: list[str]) -> int:
