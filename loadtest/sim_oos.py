@@ -336,8 +336,7 @@ def resolved_ranking(measured: dict, predicted: dict) -> list[dict]:
                         resolved += 1
                         pa = predicted[by_mode[a][0]][metric]["p90"]
                         pb = predicted[by_mode[b][0]][metric]["p90"]
-                        right += same_order(max(va), min(vb), pa, pb) if max(va) < min(vb) else same_order(
-                            min(va), max(vb), pa, pb)
+                        right += same_order(min(va), min(vb), pa, pb)  # resolved: the minima order them
             out.append({"trace": trace, "rate": float(rate), "metric": metric, "resolved": resolved,
                         "right_pairs": right, "pairs": len(modes) * (len(modes) - 1) // 2,
                         "right": right == resolved})

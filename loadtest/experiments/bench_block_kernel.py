@@ -39,6 +39,16 @@ def _load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+def _best_mean_s(best: float, calls: int, fn, *args, **kwargs) -> float:
+    """The smaller of ``best`` and the mean seconds of ``calls`` calls of ``fn(*args, **kwargs)``
+    (after one warm-up call)."""
+    fn(*args, **kwargs)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args, **kwargs)
+    return min(best, (time.perf_counter() - t0) / calls)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench block-kernel")
     p.add_argument("--rows", default="1,4,16,64")
@@ -68,18 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                 xd = x.to(dense)
                 best = {b: float("inf") for b in [*paths, "onednn"]}
                 for _ in range(args.repeats):
-                    torch.nn.functional.linear(xd, w)
-                    t0 = time.perf_counter()
-                    for _ in range(args.calls):
-                        torch.nn.functional.linear(xd, w)
-                    best["onednn"] = min(best["onednn"], (time.perf_counter() - t0) / args.calls)
+                    best["onednn"] = _best_mean_s(best["onednn"], args.calls, torch.nn.functional.linear, xd, w)
                     for b in paths:
                         kw = {b: True} if b != "float32" else {}
-                        kernel(x, codes, d, m, **kw)
-                        t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            kernel(x, codes, d, m, **kw)
-                        best[b] = min(best[b], (time.perf_counter() - t0) / args.calls)
+                        best[b] = _best_mean_s(best[b], args.calls, kernel, x, codes, d, m, **kw)
                 rates = {b: 2 * rows * n * k / best[b] / 1e9 for b in best}
                 ratio = "  " + "  ".join(f"{rates[b] / rates['float32']:12.2f}x" for b in paths[1:])
                 exact = max(rates[b] for b in paths if b != "int8")
