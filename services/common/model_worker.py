@@ -164,7 +164,7 @@ class ModelWorker(Worker):
             run = next((i for i, p in enumerate(present) if not p), len(present))
             if run == 0:
                 return 0
-            data = await asyncio.to_thread(self.store.get, keys[:run])
+            data = await asyncio.to_thread(self.store.get_views, keys[:run])
             run = next((i for i, d in enumerate(data) if d is None), len(data))
             if run == 0:
                 return 0

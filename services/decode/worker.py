@@ -298,12 +298,14 @@ class DecodeWorker(ModelWorker):
 
     # --- the work ---------------------------------------------------------------------------
     def _load_kv(self, task: DecodeTask, num_local: int) -> tuple[list, bytes | None]:
-        """Read the blocks this worker lacks and the tail from the store (in a thread)."""
+        """Read the blocks this worker lacks and the tail from the store (in a thread), as views
+        where the store has them (``KVStore.get_views``): the engine copies each once into its
+        pool."""
         handle = task.kv
         keys = [block_key(h, handle.layout.dtype) for h in handle.block_hashes[num_local:]]
         if handle.tail_key:
             keys.append(handle.tail_key)
-        values = self.store.get(keys) if keys else []
+        values = self.store.get_views(keys) if keys else []
         tail = values.pop() if handle.tail_key else None
         try:
             if self.ledger.imported(task.meta.request_id, self.instance_id):
@@ -378,6 +380,7 @@ class DecodeWorker(ModelWorker):
             req.seq = await self.engine_loop.call(lambda e: e.admit_with_kv(
                 rid, task.prompt_token_ids, output_ids, task.sampling, hashes, blocks, tail,
                 cache_salt=meta.cache_salt))
+            blocks = tail = None  # copied into the pool: let go of the store's pages now
             req.marks.append(now_mark("decode.kv_loaded" if handle is not None else "decode.admitted"))
             await self._drop_tail(task)
             if replay:

@@ -58,6 +58,16 @@ class KVStore(abc.ABC):
             KVTransferError: the store could not be read.
         """
 
+    def get_views(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Like :meth:`get`, for a caller that only reads each value once and soon (importing
+        blocks into a KV pool): a store may hand out views of memory it already holds instead
+        of copies (the shared-memory store maps its files). Drop the views after use.
+
+        Raises:
+            KVTransferError: the store could not be read.
+        """
+        return list(self.get(keys))
+
     @abc.abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key holds a live value."""

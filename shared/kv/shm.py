@@ -16,6 +16,7 @@ from a prefill process to a decode process.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -26,6 +27,9 @@ from pathlib import Path
 from shared.errors import KVTransferError
 from shared.kv.base import Buffer, KVStore
 from shared.kv.keys import BLOCK, TAIL
+
+#: Fill a map's page tables in the mmap call (Linux), not by a fault per page during the copy.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ShmKVStore(KVStore):
@@ -76,24 +80,42 @@ class ShmKVStore(KVStore):
         return written
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._read(keys, views=False)
+
+    def get_views(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Each value as a read-only map of its file (``mmap``, populated at once): the block's
+        bytes are copied once, from the tmpfs pages into the caller's pool, instead of first
+        into a new ``bytes`` per value. Reading 369 blocks of 360 KiB (a 5,900-token prompt of
+        SmolLM2, bf16) into a pool took 115-123 ms by ``get`` and 48-49 ms by maps (one thread,
+        AMD EPYC Zen 4, 2026-12-03); the fresh memory each ``bytes`` needs (page faults) was most
+        of the difference. A map stays valid after its file is replaced or unlinked (writers
+        rename whole files into place and never truncate one)."""
+        return self._read(keys, views=True)
+
+    def _read(self, keys: Sequence[str], views: bool) -> list:
         started = time.perf_counter()
         now = time.time()
-        out: list[bytes | None] = []
+        out: list = []
         nbytes = misses = 0
         for key in keys:
             path = self._path(key)
             try:
-                with open(path, "rb") as fh:
-                    if os.fstat(fh.fileno()).st_mtime < now:
+                with open(path, "rb", buffering=0) as fh:
+                    st = os.fstat(fh.fileno())
+                    if st.st_mtime < now:
                         out.append(None)
                         misses += 1
                         continue
-                    data = fh.read()
+                    if views and st.st_size:
+                        data = mmap.mmap(fh.fileno(), st.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                                         prot=mmap.PROT_READ)
+                    else:
+                        data = fh.read()
             except FileNotFoundError:
                 out.append(None)
                 misses += 1
                 continue
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 raise KVTransferError(f"shared-memory KV store read failed: {exc}") from exc
             nbytes += len(data)
             out.append(data)

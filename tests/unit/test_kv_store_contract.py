@@ -31,6 +31,24 @@ def test_put_get_roundtrip_and_missing(store):
     assert store.stats.put_bytes == 1004 and store.stats.get_bytes == 1004 and store.stats.num_get_misses == 1
 
 
+def test_views_read_what_get_reads_and_outlive_their_files(store):
+    """get_views: the same bytes as get (missing and expired values None, an empty value empty),
+    and a view taken before its value is deleted or overwritten still reads the old bytes (the
+    decode worker deletes a tail right after importing it; writers rename whole files over
+    blocks)."""
+    a, b, e = block_key(os.urandom(32), "bfloat16"), tail_key("view"), tail_key("empty")
+    payload = os.urandom(368_640)
+    store.put({a: payload, b: b"tail" * 3, e: b""}, ttl_s=30)
+    store.put({tail_key("old"): b"o"}, ttl_s=0.05)
+    time.sleep(0.1)
+    views = store.get_views([a, b, e, tail_key("missing"), tail_key("old")])
+    assert [None if v is None else bytes(v) for v in views] == [payload, b"tail" * 3, b"", None, None]
+    store.delete([b])
+    store.put({a: b"y" * len(payload)}, ttl_s=30)
+    assert bytes(views[0]) == payload and bytes(views[1]) == b"tail" * 3
+    assert store.get([a]) == [b"y" * len(payload)]
+
+
 def test_kinds_listing_and_staged_bytes(store):
     blocks = {block_key(os.urandom(32), "float32"): b"b" * 100 for _ in range(3)}
     store.put(blocks, 30)
