@@ -259,6 +259,26 @@ struct Bf16Dot {
   static constexpr int kSteps = 1;
   template <bool Q4>
   static void group(const uint8_t* codes, const float* d, const float* m, int64_t g, Wv w[kSteps]) {
+#if !defined(PDQ_BF16_EMULATE)
+    if constexpr (Q4) {
+      // A 4-bit group has 16 possible weights: round the 16 values q d + m (q = 0..15, one FMA
+      // each, as group_vectors computes them) to bf16 once, then look each code up (vpermw).
+      // The same bits as widening every weight (fma(q, d, m), then vcvtne2ps2bf16), with 5
+      // 512-bit instructions per group instead of 8 (two widenings, two conversions, two FMAs
+      // and a pack): the batch-1 decode step is bound by these (docs/decisions.md).
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * (G / 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_and_si128(raw, mask);                       // elements 0..15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);    // elements 16..31
+      const __m512i idx = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+      const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
+                                         14.f, 15.f);
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[g]), _mm512_set1_ps(m[g]));
+      const __m256i table16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(table));
+      w[0] = reinterpret_cast<vbh>(_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table16)));
+      return;
+    }
+#endif
     vf f[V];
     group_vectors<Q4>(codes, d, m, g, f);
 #if defined(PDQ_BF16_EMULATE)

@@ -92,6 +92,27 @@ def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
         assert (got - (x[:rows] @ layer.dequantized().T)).abs().max() > 1e-3  # it did round
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # builds the emulated extension
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bf16_instructions_give_the_bits_of_their_scalar_model(qtype):
+    """On an AVX512-BF16 CPU the native loops (4-bit groups rounded to bf16 through a 16-entry
+    table and vpermw, 8-bit groups widened weight by weight) give the same bits as the emulated
+    build, which rounds every weight q d (+ m) on its own and models vdpbf16ps's order: the
+    table changes only how fast the weights are made, at any row count."""
+    native = _kernel_ext("bf16")
+    emulated = _kernel_ext("bf16-emulated")
+    gen = torch.Generator().manual_seed(5)
+    raw = _blocks(qtype, rows=37, cols=320, seed=6)
+    raw_rows = raw.reshape(37, -1)
+    layer = BlockLinear.from_gguf(split_blocks(qtype, raw_rows))
+    for rows in (1, 2, 4, 5, KERNEL_MAX_ROWS):
+        x = torch.randn(rows, 320, generator=gen) * 3
+        got = _kernel_rows(layer, x, native, True)
+        want = _kernel_rows(layer, x, emulated, True)
+        assert torch.equal(got, want), (rows, (got - want).abs().max().item())
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_int8_activations_round_x_per_32_like_llama_cpp(qtype):
     """int8 activations (PD_BLOCK_DOT=int8): the result equals the exact product of the
