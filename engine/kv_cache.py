@@ -110,7 +110,7 @@ class PagedKVCache:
         # the prefill worker's engine thread, between its steps.)
         sizes = [self.block_size] * len(block_ids) if num_tokens is None else list(num_tokens)
         out = []
-        for block_id, n in zip(block_ids, sizes):
+        for block_id, n in zip(block_ids, sizes, strict=True):
             dst = torch.empty((self.num_layers, 2, n, self.num_kv_heads, self.head_dim), dtype=self.dtype,
                               device=self.device)
             dst.copy_(self.kv[:, :, block_id, :n])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import time
 import uuid
@@ -52,9 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--store", choices=["shm", "redis"], default="shm")
     args = p.parse_args(argv)
+    if args.repeats < 1 or args.tokens < 16:
+        p.error("--repeats must be at least 1 and --tokens at least one block")
     settings = Settings.from_env().replace(kv_store=args.store, namespace=f"hop{uuid.uuid4().hex[:8]}")
     config = AutoConfig.from_pretrained(servable_model_folder(settings))
-    dtype = resolve_dtype(settings.dtype, resolve_device("cpu"))  # the served KV dtype (auto: bf16 where fast)
+    # the workers' KV dtype: PD_KV_CACHE_DTYPE, else the model's compute dtype (auto: bf16 where fast)
+    dtype = (resolve_dtype(settings.dtype, resolve_device("cpu")) if settings.kv_cache_dtype == "auto"
+             else getattr(torch, settings.kv_cache_dtype))
     bs = settings.block_size
     num_full = args.tokens // bs
     src, dst = _pool(settings, num_full + 8, config, dtype), _pool(settings, num_full + 8, config, dtype)
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             _, written = stager.stage(f"hop-{rep}", prompt_kv, src.layout)
             rows["put"].append(time.perf_counter() - t)
             keys = [block_key(h, src.layout.dtype) for h in hashes]
-            for name, read in (("get_views + import", store.get_views), ("get + import", store.get)):
+            reads = [("get_views + import", store.get_views), ("get + import", store.get)]
+            for name, read in reads if rep % 2 == 0 else reads[::-1]:  # alternating which goes first
                 t = time.perf_counter()
                 values = read(keys)
                 for block_id, value in zip(ids, values):
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         store.clear()
         store.close()
+        if args.store == "shm":
+            shutil.rmtree(store.root, ignore_errors=True)
     return 0
 
 

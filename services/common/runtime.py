@@ -320,9 +320,30 @@ class Worker:
             await self.stop()
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (capped at 1,048,576) and
+    return the soft limit now in force. A decode worker maps every KV block of a prompt it
+    imports from the shared-memory store (one descriptor per live map before Python 3.13: about
+    370 for a 5,900-token prompt), and several hand-offs can be in flight; 1,024, a common default
+    soft limit, would make a few long prompts fall back to slower reads. vLLM raises the same
+    limit at start for its sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        except (ValueError, OSError):
+            return soft
+    return soft
+
+
 def main(worker_cls: type[Worker]) -> None:
     """Entry point of ``python -m services.<stage>``."""
     settings = Settings.from_env()
+    raise_open_file_limit()
     try:
         asyncio.run(worker_cls(settings).run())
     except KeyboardInterrupt:

@@ -10,10 +10,11 @@ with ``asyncio.to_thread`` so model steps and the event loop never wait on each 
 from __future__ import annotations
 
 import abc
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from a prefill process to a decode process.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -89,7 +90,11 @@ class ShmKVStore(KVStore):
         SmolLM2, bf16) into a pool took 115-123 ms by ``get`` and 48-49 ms by maps (one thread,
         AMD EPYC Zen 4, 2026-12-03); the fresh memory each ``bytes`` needs (page faults) was most
         of the difference. A map stays valid after its file is replaced or unlinked (writers
-        rename whole files into place and never truncate one)."""
+        rename whole files into place and never truncate one). Before Python 3.13 each live map
+        holds a file descriptor (mmap keeps a duplicate): the model workers raise their soft
+        ``RLIMIT_NOFILE`` to the hard limit at start (:func:`services.common.runtime.main`), and
+        when descriptors or maps run out anyway the remaining values of the call are read as
+        ``bytes``, as :meth:`get` does."""
         return self._read(keys, views=True)
 
     def _read(self, keys: Sequence[str], views: bool) -> list:
@@ -106,10 +111,16 @@ class ShmKVStore(KVStore):
                         out.append(None)
                         misses += 1
                         continue
+                    data = None
                     if views and st.st_size:
-                        data = mmap.mmap(fh.fileno(), st.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                                         prot=mmap.PROT_READ)
-                    else:
+                        try:
+                            data = mmap.mmap(fh.fileno(), st.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                                             prot=mmap.PROT_READ)
+                        except OSError as exc:  # out of descriptors or maps: copy the rest
+                            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                                raise
+                            views = False
+                    if data is None:
                         data = fh.read()
             except FileNotFoundError:
                 out.append(None)

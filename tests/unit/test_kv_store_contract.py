@@ -122,3 +122,52 @@ def test_shm_capacity_keeps_a_block_a_prefill_reused(tmp_path):
     assert s.touch([first], ttl_s=60) == [True]  # reused
     s.put({third: b"c" * 100}, ttl_s=60)  # over the cap: one block goes
     assert s.list_keys() == sorted([first, third])
+
+
+def test_shm_views_fall_back_to_reads_when_maps_run_out(tmp_path, monkeypatch):
+    """Out of descriptors (EMFILE) while mapping: the rest of the call is read as bytes, the same
+    values; any other mapping error is a KVTransferError."""
+    import errno
+    import mmap as mmap_module
+
+    from shared.errors import KVTransferError
+    from shared.kv import shm
+
+    store = shm.ShmKVStore(tmp_path)
+    keys = [block_key(os.urandom(32), "bfloat16") for _ in range(4)]
+    values = [os.urandom(4096) for _ in keys]
+    store.put(dict(zip(keys, values)), 30)
+    real, calls = mmap_module.mmap, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shm.mmap, "mmap", flaky)
+    got = store.get_views(keys)
+    assert [bytes(v) for v in got] == values
+    assert isinstance(got[0], real) and all(isinstance(v, bytes) for v in got[1:])
+    assert len(calls) == 2  # no more maps tried after the first refusal
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(shm.mmap, "mmap", broken)
+    with pytest.raises(KVTransferError, match="read failed"):
+        store.get_views(keys)
+
+
+def test_workers_raise_their_open_file_limit():
+    """services.common.runtime.raise_open_file_limit lifts a low soft limit to the hard one (run in
+    a child process, whose limits are its own)."""
+    import subprocess
+    import sys
+
+    code = ("import resource; from services.common.runtime import raise_open_file_limit as r; "
+            "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)); "
+            "print(r() > 256 or hard == 256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] == r())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr
