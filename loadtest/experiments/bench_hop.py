@@ -35,15 +35,19 @@ from shared.kv import block_key, open_store
 
 
 def _pool(settings: Settings, num_blocks: int, config, dtype: torch.dtype) -> PagedKVCache:
+    """A CPU pool shaped as engine.engine.LLMEngine shapes its own for this model config."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return PagedKVCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, num_blocks,
-                        settings.block_size, dtype, torch.device("cpu"), "bench-hop")
+    return PagedKVCache(config.num_hidden_layers, num_kv_heads, head_dim, num_blocks, settings.block_size, dtype,
+                        torch.device("cpu"), "bench-hop")
 
 
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
+    from engine.factory import engine_config
     from engine.model.loader import resolve_device, resolve_dtype
+    from engine.outputs import PromptKV
     from loadtest.bench_cores import cpu_line
     from services.common.model import servable_model_folder
     from services.prefill.worker import KVStager
@@ -57,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats must be at least 1 and --tokens at least one block")
     settings = Settings.from_env().replace(kv_store=args.store, namespace=f"hop{uuid.uuid4().hex[:8]}")
     config = AutoConfig.from_pretrained(servable_model_folder(settings))
-    # the workers' KV dtype: PD_KV_CACHE_DTYPE, else the model's compute dtype (auto: bf16 where fast)
-    dtype = (resolve_dtype(settings.dtype, resolve_device("cpu")) if settings.kv_cache_dtype == "auto"
-             else getattr(torch, settings.kv_cache_dtype))
+    # the workers' KV dtype (LLMEngine: PD_KV_CACHE_DTYPE, else the model's compute dtype)
+    dtype = engine_config(settings).kv_cache_dtype or resolve_dtype(settings.dtype, resolve_device("cpu"))
     bs = settings.block_size
     num_full = args.tokens // bs
     src, dst = _pool(settings, num_full + 8, config, dtype), _pool(settings, num_full + 8, config, dtype)
@@ -76,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             blocks = src.export_blocks(ids)
             rows["export"].append(time.perf_counter() - t)
             hashes = [os.urandom(32) for _ in ids]
-            prompt_kv = type("PromptKV", (), {"block_hashes": hashes, "blocks": blocks, "tail": None,
-                                              "num_tokens": num_full * bs})()
+            prompt_kv = PromptKV(block_hashes=hashes, blocks=blocks, tail=None, num_tail_tokens=0,
+                                 num_tokens=num_full * bs)
             t = time.perf_counter()
             _, written = stager.stage(f"hop-{rep}", prompt_kv, src.layout)
             rows["put"].append(time.perf_counter() - t)

@@ -11,7 +11,7 @@ import time
 from engine.factory import build_engine
 from engine.outputs import StepOutput
 from services.common.engine_loop import EngineLoop
-from services.common.runtime import RecentSet, Worker
+from services.common.runtime import RecentSet, Worker, raise_open_file_limit
 from shared.bus import Bus
 from shared.config import Settings, parse_cpus
 from shared.deadline import deadline_exceeded, is_expired
@@ -53,6 +53,7 @@ class ModelWorker(Worker):
             self.worker_state.close()
 
     async def setup(self) -> None:
+        raise_open_file_limit()  # KV imports map one file per block (shared.kv.shm.get_views)
         if self.settings.cpu_affinity:
             os.sched_setaffinity(0, parse_cpus(self.settings.cpu_affinity))
         self.engine = await asyncio.to_thread(build_engine, self.settings)

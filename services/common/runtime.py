@@ -330,7 +330,7 @@ def raise_open_file_limit() -> int:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
@@ -343,7 +343,6 @@ def raise_open_file_limit() -> int:
 def main(worker_cls: type[Worker]) -> None:
     """Entry point of ``python -m services.<stage>``."""
     settings = Settings.from_env()
-    raise_open_file_limit()
     try:
         asyncio.run(worker_cls(settings).run())
     except KeyboardInterrupt:

@@ -92,7 +92,7 @@ class ShmKVStore(KVStore):
         of the difference. A map stays valid after its file is replaced or unlinked (writers
         rename whole files into place and never truncate one). Before Python 3.13 each live map
         holds a file descriptor (mmap keeps a duplicate): the model workers raise their soft
-        ``RLIMIT_NOFILE`` to the hard limit at start (:func:`services.common.runtime.main`), and
+        ``RLIMIT_NOFILE`` to the hard limit at start (:func:`services.common.runtime.raise_open_file_limit`), and
         when descriptors or maps run out anyway the remaining values of the call are read as
         ``bytes``, as :meth:`get` does."""
         return self._read(keys, views=True)
