@@ -9,7 +9,8 @@
 // ISA: chosen at build time from the compiler's target flags (the extensions are built with
 // -march=native on the machine that runs them, keyed on its CPU flags): AVX-512 (F + BW) when
 // defined, else AVX2 + FMA. See block_rows_with for the two ways a call runs (few rows: widen
-// in registers; more: widen four weight rows once into an L1 buffer, then 4 x 4 register tiles).
+// in registers; more: widen four weight rows once into an L1 buffer, then register tiles of
+// kTileRows x kTileCols).
 //
 // Two arithmetics, chosen by the caller once per weight object (never per call or row count),
 // run by the same loops (block_rows_with, written once over an arithmetic type: F32Fma,
@@ -334,18 +335,18 @@ template <typename A, int R, int NB>
 inline __attribute__((always_inline)) void tile_widened(const typename A::X* x, int64_t K, const typename A::W* w,
                                                         float* y, int64_t ldy) {
   typename A::Acc acc[R][NB];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[r][j] = A::zero();
   for (int64_t k = 0; k < K; k += A::kStep) {
     typename A::Wv wv[NB];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) wv[j] = A::load(w + j * K + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const typename A::Wv xv = A::load(x + r * K + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) acc[r][j] = A::step(acc[r][j], xv, wv[j]);
     }
   }
@@ -364,17 +365,60 @@ inline void rows_registers(const typename A::X* x, int64_t M, int64_t K, const u
   }
 }
 
+// The register tile above four rows: PDQ_TILE_ROWS rows of x by PDQ_TILE_COLS of the four widened
+// weight rows. Any shape gives the same bits (each pair's chain is the same whatever the tile); it
+// decides how many vector registers a tile needs: rows x cols accumulators, cols weight vectors and
+// one x vector. AVX-512 has 32: 4 x 4 (21). AVX2 has 16, and there 4 x 4 spilled accumulators to
+// the stack: one thread, 64 rows, Q4_1 1536x576 / 576x1536 (float32 GFLOP/s, oneDNN's fp32 GEMM
+// 81-82 in the same run; AMD EPYC Zen 3, docs/decisions.md "Issue 29's figures by machine
+// class"): 4x4 40.9 / 31.3, 4x3 59.6 / 51.4, 3x4 56.4 / 44.9, 4x2 63.9 / 55.7, 6x2 67.2 / 58.0
+// (61.1 in a second run), 5x2 68.4 / 60.5, 7x2 66.0 / 61.6, 8x1 44.5 / 37.6. So 6 x 2 (15) there.
+#ifndef PDQ_TILE_ROWS
+#ifdef PDQ_AVX512
+#define PDQ_TILE_ROWS 4
+#else
+#define PDQ_TILE_ROWS 6
+#endif
+#endif
+#ifndef PDQ_TILE_COLS
+#ifdef PDQ_AVX512
+#define PDQ_TILE_COLS 4
+#else
+#define PDQ_TILE_COLS 2
+#endif
+#endif
+constexpr int kTileRows = PDQ_TILE_ROWS;
+constexpr int kTileCols = PDQ_TILE_COLS;
+
+// The last M < R rows of a call, as one tile of M rows.
+template <typename A, int NB, int R>
+inline void rows_widened_tail(const typename A::X* x, int64_t M, int64_t K, const typename A::W* w, float* y,
+                              int64_t ldy) {
+  if constexpr (R > 1) {
+    if (M == R - 1) return tile_widened<A, R - 1, NB>(x, K, w, y, ldy);
+    rows_widened_tail<A, NB, R - 1>(x, M, K, w, y, ldy);
+  }
+}
+
+// The M rows of x [M, K] against NB <= kTileCols widened weight rows (w [NB, K]).
+template <typename A, int NB>
+inline void rows_widened_cols(const typename A::X* x, int64_t M, int64_t K, const typename A::W* w, float* y,
+                              int64_t ldy) {
+  constexpr int R = kTileRows;
+  int64_t r = 0;
+  for (; r + R <= M; r += R) tile_widened<A, R, NB>(x + r * K, K, w, y + r * ldy, ldy);
+  if (r < M) rows_widened_tail<A, NB, R>(x + r * K, M - r, K, w, y + r * ldy, ldy);
+}
+
 // The M rows of x [M, K] against NB widened weight rows (w [NB, K]): y[r * ldy + j].
 template <typename A, int NB>
 inline void rows_widened_with(const typename A::X* x, int64_t M, int64_t K, const typename A::W* w, float* y,
                               int64_t ldy) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4) tile_widened<A, 4, NB>(x + r * K, K, w, y + r * ldy, ldy);
-  switch (M - r) {
-    case 3: tile_widened<A, 3, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    case 2: tile_widened<A, 2, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    case 1: tile_widened<A, 1, NB>(x + r * K, K, w, y + r * ldy, ldy); break;
-    default: break;
+  if constexpr (NB <= kTileCols) {
+    rows_widened_cols<A, NB>(x, M, K, w, y, ldy);
+  } else {
+    rows_widened_cols<A, kTileCols>(x, M, K, w, y, ldy);
+    rows_widened_with<A, NB - kTileCols>(x, M, K, w + kTileCols * K, y + kTileCols, ldy);
   }
 }
 
@@ -395,8 +439,9 @@ inline void with_tile_width(int nb, F&& f) {
 // A. Weight rows go in fours. Up to four rows of x, each group is widened in registers and used
 // at once (the weights are streamed once; a batch-1 decode step is bound by these
 // instructions). Above four, the four weight rows are widened once into a buffer of A::W (4 K
-// elements, in L1) and every 4 x 4 tile of (rows of x, weight rows) reads it: 16 steps per 8
-// loads, instead of widening again per four rows.
+// elements, in L1) and every kTileRows x kTileCols tile of (rows of x, weight rows) reads it
+// (AVX-512 4 x 4: 16 steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of widening again per
+// four rows.
 template <typename A, bool Q4>
 inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
                             const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {

@@ -93,8 +93,8 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   return out;
 }
 
-// y = x W^T for float32 weights [N, K] with the block kernel's widened-weights loops (4 x 4
-// register tiles, one accumulator chain per output over K in order): each row's result is the
+// y = x W^T for float32 weights [N, K] with the block kernel's widened-weights loops (pdq::kTileRows x
+// kTileCols register tiles, one accumulator chain per output over K in order): each row's result is the
 // same bits whatever the number of rows, which a GEMM library's blocking does not promise. The
 // batch-invariant mode's float32 linears (engine/model/batch_invariant.py); K a multiple of 16.
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor w) {
