@@ -70,6 +70,11 @@ class LLMEngine:
         self.stats = EngineStats()
         #: when a list, :meth:`step` appends one :func:`step_record` per step (the step log)
         self.step_log: list | None = None
+        #: when set, called on the engine thread after a step that completed full prompt blocks of
+        #: a ``stop_after_prefill`` sequence whose prompt is not finished yet, with ``(request_id,
+        #: first block index, their hashes, their buffers)``: a prefill worker stages them while
+        #: the rest of the prompt is computed, and the final export skips them
+        self.on_prompt_blocks = None
         self.grammar = LazyGrammar(self.runner, mc.vocab_size, self.eos_token_ids)  # constrained decoding
         #: drafts and verifies tokens (engine/speculative.py); None when off. Exactness needs the
         #: batch-invariant per-row path, so without it speculation stays off
@@ -350,6 +355,8 @@ class LLMEngine:
                 seq.num_prefill_chunks += 1
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            if self.on_prompt_blocks is not None and seq.stop_after_prefill:
+                self._export_finished_blocks(seq)
         outputs = []
         for item, picked, logprobs in zip(result.sampled, result.token_ids, result.logprobs):
             seq = item.seq
@@ -409,21 +416,43 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
 
+    def _export_finished_blocks(self, seq: Sequence) -> None:
+        """Hand the full prompt blocks this step finished to ``on_prompt_blocks`` while the
+        prompt is still being prefilled (the last chunk's blocks go with the final export).
+
+        Staging a long prompt's KV chunk by chunk overlaps the copy into the KV store with the
+        rest of its prefill, so the hand-off after the first token moves only the last chunk:
+        the layer-wise / chunk-wise overlap of Splitwise (Patel et al., ISCA 2024, section 4.3)
+        and Mooncake's chunked transfer, here at the granularity of a prefill chunk."""
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return  # the prompt is done: its first token is sampled this step, export_prompt_kv follows
+        bs = self.config.block_size
+        done = seq.num_computed_tokens // bs
+        first = seq.num_exported_blocks
+        if done <= first:
+            return
+        buffers = self.kv_cache.export_blocks(seq.block_table[first:done])
+        seq.num_exported_blocks = done
+        self.on_prompt_blocks(seq.request_id, first, seq.block_hashes[first:done], buffers)
+
     def export_prompt_kv(self, seq: Sequence) -> PromptKV:
-        """Copy the KV of ``seq``'s prompt out of the pool (call before its blocks are freed)."""
+        """Copy the KV of ``seq``'s prompt out of the pool (call before its blocks are freed),
+        from its first full block not yet handed to ``on_prompt_blocks`` on."""
         bs = self.config.block_size
         num_prompt = seq.num_prompt_tokens
         num_full = num_prompt // bs
         num_tail = num_prompt - num_full * bs
-        ids = seq.block_table[: num_full + (1 if num_tail else 0)]
-        sizes = [bs] * num_full + ([num_tail] if num_tail else [])
+        first = min(seq.num_exported_blocks, num_full)
+        ids = seq.block_table[first: num_full + (1 if num_tail else 0)]
+        sizes = [bs] * (num_full - first) + ([num_tail] if num_tail else [])
         buffers = self.kv_cache.export_blocks(ids, sizes)
         return PromptKV(
             block_hashes=seq.block_hashes[:num_full],
-            blocks=buffers[:num_full],
-            tail=buffers[num_full] if num_tail else None,
+            blocks=buffers[: num_full - first],
+            tail=buffers[num_full - first] if num_tail else None,
             num_tail_tokens=num_tail,
             num_tokens=num_prompt,
+            first_block=first,
         )
 
     # --- offline use ------------------------------------------------------------------------

@@ -11,13 +11,19 @@ from shared.messages import TokenLogprob
 
 @dataclass(slots=True)
 class PromptKV:
-    """A prompt's KV copied out of the pool: full blocks by hash, and the partial tail."""
+    """A prompt's KV copied out of the pool: full blocks by hash, and the partial tail.
+
+    ``blocks[i]`` is the block of ``block_hashes[first_block + i]``: the first ``first_block``
+    full blocks were handed out earlier, while the prompt was still being prefilled
+    (``LLMEngine.on_prompt_blocks``), and are not copied again.
+    """
 
     block_hashes: list[bytes]
     blocks: list[memoryview]
     tail: memoryview | None
     num_tail_tokens: int
     num_tokens: int
+    first_block: int = 0
 
 
 @dataclass(slots=True)

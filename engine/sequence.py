@@ -37,6 +37,8 @@ class Sequence:
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens found in a prefix cache at admission (not computed).
         num_prefill_chunks: engine steps that computed part of its prompt (what an abort wasted).
+        num_exported_blocks: full prompt blocks already copied out while the prompt was still
+            being prefilled (``LLMEngine.on_prompt_blocks``); the final export starts after them.
         block_table: KV block ids, in token order.
         block_hashes: hashes of the full blocks of ``token_ids`` so far.
         eos_token_ids: tokens that end the sequence unless ``sampling.ignore_eos``.
@@ -61,6 +63,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_prefill_chunks: int = 0
+    num_exported_blocks: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -219,6 +219,12 @@ class Settings:
     kv_tail_ttl_s: float = _doc(
         "Lease of a request-scoped tail block not yet admitted by decode.", default=60.0
     )
+    kv_stage_during_prefill: bool = _doc(
+        "A prefill worker stages a long prompt's full KV blocks into the store chunk by chunk while "
+        "the rest of the prompt is prefilled, so the hand-off after the first token writes only the "
+        "last chunk's blocks and the tail.",
+        default=True,
+    )
     kv_failure_policy: str = _doc(
         "When the KV store cannot be written or read: recompute (decode recomputes the prompt) "
         "or fail (the request ends with an error).",

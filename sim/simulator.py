@@ -4,8 +4,9 @@
 system has (``docs/architecture.md``):
 
     client → gateway → (bus hop) → tokenizer (one FIFO server per replica) → router
-      ├─ remote: (hop) → prefill worker → first token; its staging thread puts the KV (a job on
-      │          the store's FIFO server) → (hop) → a decode worker with room fetches the task, its
+      ├─ remote: (hop) → prefill worker → first token; its staging thread puts the KV (jobs on
+      │          the store's FIFO server: each chunk's full blocks as the chunk ends, the rest
+      │          after the first token) → (hop) → a decode worker with room fetches the task, its
       │          thread gets the blocks it lacks (the store's server again), its engine thread
       │          imports them before its next step
       └─ local:  (hop) → decode/aggregated worker prefills and decodes
@@ -62,6 +63,8 @@ class Topology:
         num_kv_blocks: KV blocks per worker (0 = the profile's).
         kv_store: the KV store kind of the hand-off (``shm``, ``redis``, ``network``; "" = the
             profile's ``kv_store``).
+        kv_stage_during_prefill: ``PD_KV_STAGE_DURING_PREFILL``: a prompt prefilled in chunks
+            has the full blocks of each chunk but the last put while the rest is prefilled.
         roles: per-role engine settings overriding the ones above: ``{"prefill": {"max_num_seqs":
             8, "max_prefill_chunk_tokens": 4096}, "decode": {...}}`` (aggregated workers take
             the ``decode`` entry's: they are the decode pool of an aggregated deployment).
@@ -83,6 +86,7 @@ class Topology:
     heartbeat_s: float = 1.0
     max_queue_time_s: float = 0.0
     kv_store: str = ""
+    kv_stage_during_prefill: bool = True
     roles: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
@@ -363,9 +367,23 @@ class Simulation:
         scope = self.store.scope
         return id(w.host) if scope == "host" else "fleet" if scope == "fleet" else w.name
 
+    def stage_blocks(self, now: float, seq, src: SimWorker) -> None:
+        """A chunk of ``seq``'s prompt ended at ``now`` on prefill worker ``src`` and the prompt
+        is not done (``kv_stage_during_prefill``): its staging thread puts the full blocks the
+        store lacks, a job on the store's server that the hand-off's put queues behind."""
+        bs, bpt = self.p.block_size, self.p.kv_bytes_per_token
+        new = [h for h in seq.block_hashes[: seq.num_computed_tokens // bs] if h not in self.staged]
+        if not new:
+            return
+        self.staged.update(new)
+        seconds = self.store.put(len(new) * bs * bpt)
+        self.kv_put_s += seconds
+        self._store_job(now, self._server(src), seconds)
+
     def hand_off(self, now: float, seq, src: SimWorker) -> None:
         """Prefill worker ``src`` computed ``seq``'s prompt at ``now``: its staging thread puts
-        the full blocks the store lacks and the tail (a job on the store's server); the
+        the full blocks the store lacks (those of earlier chunks are there already with
+        ``kv_stage_during_prefill``) and the tail (a job on the store's server); the
         DecodeTask reaches the decode pool a hop after the put ends."""
         seq.stop_after_prefill = False
         bs, bpt = self.p.block_size, self.p.kv_bytes_per_token

@@ -271,6 +271,8 @@ class SimWorker:
             seq.num_computed_tokens += item.num_new_tokens
             if not samples:
                 self.bm.cache_full_blocks(seq)
+                if seq.stop_after_prefill and sim.topo.kv_stage_during_prefill:
+                    sim.stage_blocks(now, seq, self)
                 continue
             first_end = t0 + t1
             if k > 1:

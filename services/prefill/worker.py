@@ -11,7 +11,11 @@ Life cycle of a request here:
    if it already ends the request (EOS, max_tokens = 1) the request is done here;
 4. the prompt's KV is copied out of the pool and staged: full blocks under their
    content-addressed keys (skipped when the store already has them, leases renewed), the
-   partial tail under a request-scoped key;
+   partial tail under a request-scoped key. A prompt prefilled in several chunks has its full
+   blocks staged chunk by chunk while the rest is computed (``PD_KV_STAGE_DURING_PREFILL``,
+   :class:`EarlyStage`), so this step writes only the last chunk's blocks and the tail; an
+   aborted prompt leaves its early blocks to their lease, as any staged block (they are the
+   store's prefix cache);
    Every staged handle is recorded in the KV ledger (``shared/kv/ledger.py``: owner, lease,
    bytes, state ``staged``), which this worker's reaper reconciles with the other workers';
 5. the DecodeTask with its KVHandle is published (Nats-Msg-Id ``decode:<request_id>``), the
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -59,6 +63,27 @@ REAP_INTERVAL_S = 2.0
 
 
 @dataclass(slots=True)
+class EarlyStage:
+    """What a prompt still being prefilled has staged so far (``PD_KV_STAGE_DURING_PREFILL``).
+
+    Attributes:
+        staged: indices of full blocks written to the store, or found there, by early puts.
+        unstaged: buffers of full blocks whose early put failed, by index: the hand-off
+            writes them (a buffer is dropped as soon as its block is staged).
+        bytes_written: bytes the early puts wrote.
+        puts: the latest early put of this prompt; each waits for the one before, so the
+            hand-off waits for all of them by awaiting this one.
+        headers: the request's trace context (the puts' spans are children of its prefill).
+    """
+
+    staged: set[int] = field(default_factory=set)
+    unstaged: dict[int, memoryview] = field(default_factory=dict)
+    bytes_written: int = 0
+    puts: asyncio.Future | None = None
+    headers: dict[str, str] | None = None
+
+
+@dataclass(slots=True)
 class KVStager:
     """Puts a prompt's exported KV into the store (runs in a thread) and records the handle in
     the ledger (owned by ``owner``, leased for the tail's TTL).
@@ -73,11 +98,34 @@ class KVStager:
     ledger: KVLedger | None = None
     owner: str = ""
 
-    def stage(self, request_id: str, prompt_kv, layout, deadline_at: float = float("inf")) -> tuple[KVHandle, int]:
-        keys = [block_key(h, layout.dtype) for h in prompt_kv.block_hashes]
+    def put_blocks(self, items: dict[str, memoryview]) -> int:
+        """Write the full blocks ``{key: buffer}`` the store does not hold yet and renew the
+        leases of those it holds. Returns the bytes written.
+
+        Raises:
+            KVTransferError: the store cannot be read or written.
+        """
+        keys = list(items)
         present = self.store.exists(keys) if keys else []
-        missing = {k: buf for k, buf, p in zip(keys, prompt_kv.blocks, present) if not p}
+        missing = {k: items[k] for k, p in zip(keys, present) if not p}
         have = [k for k, p in zip(keys, present) if p]
+        written = self.store.put(missing, self.block_ttl_s) if missing else 0
+        if have:
+            self.store.touch(have, self.block_ttl_s)
+        return written
+
+    def stage(self, request_id: str, prompt_kv, layout, deadline_at: float = float("inf"),
+              early: EarlyStage | None = None) -> tuple[KVHandle, int]:
+        """Stage ``prompt_kv`` (its ``blocks`` start at full block ``first_block``; the blocks
+        before it are in ``early``: staged, or their buffers kept after a failed put)."""
+        keys = [block_key(h, layout.dtype) for h in prompt_kv.block_hashes]
+        early = early or EarlyStage()
+        first = prompt_kv.first_block
+        items = {k: (early.unstaged[i] if i < first else prompt_kv.blocks[i - first])
+                 for i, k in enumerate(keys) if i not in early.staged}
+        present = self.store.exists(list(items)) if items else []
+        missing = {k: buf for (k, buf), p in zip(items.items(), present) if not p}
+        have = [k for k, p in zip(items, present) if p]
         tkey = tail_key(request_id) if prompt_kv.tail is not None else None
         if self.ledger is not None:
             # recorded before the tail is written: a reaper that judged an older record of this
@@ -85,7 +133,7 @@ class KVStager:
             # both the record and the tail
             tail_bytes = memoryview(prompt_kv.tail).nbytes if tkey else 0
             self.ledger.staged(request_id, self.owner, "prefill", self.tail_ttl_s, deadline_at, tail_bytes,
-                               sum(memoryview(b).nbytes for b in missing.values()), tkey)
+                               early.bytes_written + sum(memoryview(b).nbytes for b in missing.values()), tkey)
             kv_ledger_metrics()["transitions"].labels("staged").inc()
         written = 0
         if missing:
@@ -105,6 +153,7 @@ class PrefillWorker(ModelWorker):
     def __init__(self, settings: Settings, bus: Bus | None = None):
         super().__init__(settings, bus)
         self.pending: dict[str, asyncio.Future] = {}  # request id → its prefill's outcome
+        self.early: dict[str, EarlyStage] = {}  # request id → its blocks staged during prefill
 
     async def setup(self) -> None:
         await super().setup()
@@ -112,6 +161,9 @@ class PrefillWorker(ModelWorker):
         self.stager = KVStager(self.store, self.settings.kv_block_ttl_s, self.settings.kv_tail_ttl_s,
                                self.ledger, self.instance_id)
         self.reaper = KVReaper(self, self.ledger, self.store)
+        if self.settings.kv_stage_during_prefill:
+            loop = asyncio.get_running_loop()
+            self.engine.on_prompt_blocks = lambda *args: loop.call_soon_threadsafe(self._stage_early, *args)
 
     async def serve(self) -> None:
         await super().serve()
@@ -184,6 +236,36 @@ class PrefillWorker(ModelWorker):
         # storm of them) must not wait for the engine's step boundary behind this one
         self.engine_loop.call(lambda e: e.abort(rid)).add_done_callback(account)
 
+    def _stage_early(self, request_id: str, first: int, block_hashes: list[bytes], buffers: list[memoryview]) -> None:
+        """Put full blocks a prompt's last prefill chunk finished into the store, in a thread,
+        after the prompt's earlier such puts (on the event loop, from the engine thread)."""
+        rec = self.early.get(request_id)
+        if rec is None or request_id not in self.pending:
+            return  # aborted, or handed off already
+        dtype = self.engine.layout.dtype
+        blocks = {first + i: buf for i, buf in enumerate(buffers)}
+        before = rec.puts
+
+        async def put() -> None:
+            if before is not None:
+                await before
+            items = {block_key(block_hashes[i - first], dtype): buf for i, buf in blocks.items()}
+            started = time.perf_counter()
+            try:
+                with span("prefill.kv_put_early", rec.headers, request_id=request_id, blocks=len(items)):
+                    written = await asyncio.to_thread(self.stager.put_blocks, items)
+            except Exception as exc:  # the hand-off writes them (and raises what it raises)
+                rec.unstaged.update(blocks)
+                self.log.warning("kv_early_stage_failed", request_id=request_id,
+                                 error=getattr(exc, "message", None) or repr(exc))
+                return
+            rec.staged.update(blocks)
+            rec.bytes_written += written
+            self.kv_metrics["put_bytes"].inc(written)
+            self.kv_metrics["put_seconds"].inc(time.perf_counter() - started)
+
+        rec.puts = asyncio.ensure_future(put())
+
     # --- the work ---------------------------------------------------------------------------
     def held_requests(self) -> list[RequestMeta]:
         return list(self.waiting_first_token.values())
@@ -203,10 +285,12 @@ class PrefillWorker(ModelWorker):
             raise ServiceUnavailable("no postfilter worker is alive")
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
+        early = self.early[rid] = EarlyStage()
         self.waiting_first_token[rid] = meta
         try:
             with span("prefill", meta.headers, request_id=rid, prompt_tokens=len(task.prompt_token_ids)) as carry:
                 meta = msgspec.structs.replace(meta, headers=carry or meta.headers)
+                early.headers = meta.headers
                 store_hit_tokens = await self.import_store_hits(rid, task.block_hashes, len(task.prompt_token_ids))
                 await self.engine.grammar.precompile(task.sampling.grammar)  # off the engine thread
                 if fut.done():  # cancelled while its prefix was read: never queued in the engine
@@ -226,6 +310,7 @@ class PrefillWorker(ModelWorker):
                 await self._hand_off(item, task, meta, out, postfilter, store_hit_tokens)
         finally:
             self.pending.pop(rid, None)
+            self.early.pop(rid, None)
             self.waiting_first_token.pop(rid, None)
             if not fut.done():
                 fut.cancel()
@@ -248,11 +333,14 @@ class PrefillWorker(ModelWorker):
         if out.finish_reason is not None:
             await item.ack()
             return
+        early = self.early.pop(meta.request_id, None)
+        if early is not None and early.puts is not None:
+            await early.puts  # the puts of earlier chunks (never raises: a failed one left its buffers)
         started = time.perf_counter()
-        with span("prefill.kv_put", tokens=seq.num_prompt_tokens):
+        with span("prefill.kv_put", tokens=seq.num_prompt_tokens, early_blocks=len(early.staged) if early else 0):
             try:
                 handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv,
-                                                          self.engine.layout, meta.deadline_at)
+                                                          self.engine.layout, meta.deadline_at, early)
             except KVTransferError as exc:
                 if self.settings.kv_failure_policy == "fail":
                     raise

@@ -19,7 +19,9 @@ def pipeline(tmp_path_factory, tiny_model_dir, nats_url):
     enough for test_pipeline.py's stuck stage."""
     ns = f"t{uuid.uuid4().hex[:10]}"
     tmp = tmp_path_factory.mktemp("pipe")
-    with deployment(tmp, str(tiny_model_dir), ns, block_size=4, stall_timeout_s=20.0,
+    # prompts over 16 tokens are prefilled in chunks, so the prefill worker stages their full
+    # blocks while it prefills the rest (PD_KV_STAGE_DURING_PREFILL) in every module's requests
+    with deployment(tmp, str(tiny_model_dir), ns, block_size=4, max_prefill_chunk_tokens=16, stall_timeout_s=20.0,
                     tracing=f"file:{tmp / 'spans'}", log_level="DEBUG") as dep:
         yield dep
 

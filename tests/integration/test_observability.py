@@ -69,7 +69,8 @@ def test_timeline_phases_agree_with_the_clients_own_clock(traced):
 
 def test_one_trace_spans_all_five_services(traced):
     dep, spans_dir = traced
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 6,
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "trace me through all five services"}],
+            "max_tokens": 6,
             "temperature": 0}
     with httpx.Client(base_url=dep.url, timeout=60) as client:
         rid = client.post("/v1/chat/completions", json=body).json()["id"]
@@ -89,6 +90,10 @@ def test_one_trace_spans_all_five_services(traced):
     assert all(s["parent_id"] in ids for s in in_trace if s["parent_id"])
     names = {s["name"] for s in in_trace}
     assert {"prefill.kv_put", "decode.kv_get"} <= names
+    # the prompt (over the pipeline's 16-token chunk cap) had full blocks staged while it was prefilled
+    assert "prefill.kv_put_early" in names
+    (put,) = [s for s in in_trace if s["name"] == "prefill.kv_put"]
+    assert int(put["attributes"]["early_blocks"]) > 0
 
 
 def test_log_lines_of_a_request_carry_its_id(traced):

@@ -166,6 +166,45 @@ def test_kv_handoff_between_engines_matches(tiny_model):
     assert seq.output_token_ids == reference(ref, prompt, 12, eos)
 
 
+def test_blocks_handed_out_during_chunked_prefill_complete_the_final_export(tiny_model):
+    """A prompt prefilled in chunks of 8 tokens hands its full blocks out as each chunk ends
+    (``on_prompt_blocks``); those and the final export's are byte for byte the blocks the same
+    engine exports at the end without the callback, and decode from them matches transformers."""
+    model, ref, _ = tiny_model
+    eos = eos_ids_of(model)
+    prompt = prompts_of([30], model.config.vocab_size, seed=11)[0]  # 7 full blocks of 4 and 2 tokens
+    whole = make_engine(model, max_prefill_chunk_tokens=8)
+    (seq,) = [whole.add_request("x", prompt, GREEDY, stop_after_prefill=True)]
+    outs = []
+    while not outs:
+        outs = whole.step()
+    assert seq.num_prefill_chunks == 4 and outs[0].prompt_kv.first_block == 0
+    expected = [bytes(b) for b in outs[0].prompt_kv.blocks]
+    chunked = make_engine(model, max_prefill_chunk_tokens=8)
+    handed: list[tuple[str, int, list, list]] = []
+    chunked.on_prompt_blocks = lambda rid, first, hashes, bufs: handed.append((rid, first, hashes, bufs))
+    chunked.add_request("x", prompt, GREEDY, stop_after_prefill=True)
+    outs = []
+    while not outs:
+        outs = chunked.step()
+    (out,) = outs
+    # chunks end at tokens 8, 16, 24 (blocks 2, 4, 6 complete); the last chunk's block goes with the export
+    assert [(rid, first, len(bufs)) for rid, first, _, bufs in handed] == [("x", 0, 2), ("x", 2, 2), ("x", 4, 2)]
+    kv = out.prompt_kv
+    assert kv.first_block == 6 and len(kv.blocks) == 1 and kv.num_tail_tokens == 2
+    early = [bytes(b) for *_, bufs in handed for b in bufs]
+    assert early + [bytes(b) for b in kv.blocks] == expected
+    assert [h for _, _, hashes, _ in handed for h in hashes] == kv.block_hashes[:6]
+    decode = make_engine(model)
+    seq = decode.admit_with_kv("x", prompt, out.new_token_ids, GREEDY, kv.block_hashes,
+                               early + [bytes(b) for b in kv.blocks], bytes(kv.tail))
+    assert seq.num_computed_tokens == len(prompt)
+    while decode.has_unfinished():
+        decode.step()
+    assert decode.stats.num_prefill_tokens == 0
+    assert seq.output_token_ids == reference(ref, prompt, 12, eos)
+
+
 def test_kv_handoff_with_missing_blocks_recomputes(tiny_model):
     model, ref, _ = tiny_model
     eos = eos_ids_of(model)

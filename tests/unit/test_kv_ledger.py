@@ -165,3 +165,33 @@ def test_pdserve_kv_ledger_lists_the_records(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "1 staged KV handle(s)" in out and "777 request-scoped bytes" in out
     assert "chatcmpl-listed-0" in out and "prefill-x" in out and "staged" in out
+
+
+def test_a_hand_off_writes_only_what_the_early_puts_did_not(store):
+    """``PD_KV_STAGE_DURING_PREFILL``: blocks 0-1 were staged while the prompt was prefilled,
+    block 2's early put failed (its buffer kept), block 3 comes with the final export. The
+    hand-off writes blocks 2 and 3 and the tail, nothing twice, and the ledger record counts the
+    early bytes with the rest."""
+    from engine.outputs import PromptKV
+    from services.prefill.worker import EarlyStage, KVStager
+    from shared.kv import block_key
+    from shared.kv.layout import KVLayout
+
+    layout = KVLayout(model_id="m", dtype="bfloat16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    hashes = [uuid.uuid4().bytes for _ in range(4)]
+    blocks = [bytes([i]) * 64 for i in range(4)]
+    keys = [block_key(h, layout.dtype) for h in hashes]
+    ledger = ledger_for(store)
+    stager = KVStager(store, 30.0, 30.0, ledger, "prefill-a")
+    early = EarlyStage(staged={0, 1}, unstaged={2: memoryview(blocks[2])})
+    early.bytes_written = stager.put_blocks({keys[0]: blocks[0], keys[1]: blocks[1]})
+    assert early.bytes_written == 128
+    assert stager.put_blocks({keys[0]: blocks[0]}) == 0  # held already: lease renewed, not rewritten
+    kv = PromptKV(block_hashes=hashes, blocks=[memoryview(blocks[3])], tail=memoryview(b"t" * 10),
+                  num_tail_tokens=1, num_tokens=17, first_block=3)
+    handle, written = stager.stage("req-early", kv, layout, early=early)
+    assert written == 64 + 64 + 10
+    assert handle.block_hashes == hashes and handle.tail_key == tail_key("req-early")
+    assert [bytes(v) for v in store.get(keys)] == blocks
+    (entry,) = [e for e in ledger.entries() if e.request_id == "req-early"]
+    assert entry.block_bytes == 4 * 64 and entry.bytes == 10
