@@ -426,6 +426,8 @@ class LLMEngine:
         and Mooncake's chunked transfer, here at the granularity of a prefill chunk."""
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             return  # the prompt is done: its first token is sampled this step, export_prompt_kv follows
+        if seq.sampling.max_tokens <= 1:
+            return  # its first token ends it: there will be no hand-off to stage for
         bs = self.config.block_size
         done = seq.num_computed_tokens // bs
         first = seq.num_exported_blocks

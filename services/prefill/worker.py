@@ -74,6 +74,9 @@ class EarlyStage:
         puts: the latest early put of this prompt; each waits for the one before, so the
             hand-off waits for all of them by awaiting this one.
         headers: the request's trace context (the puts' spans are children of its prefill).
+        failed: an early put failed: later chunks keep their buffers for the hand-off instead
+            of waiting on the store again (an unreachable store costs one timeout, not one per
+            chunk).
     """
 
     staged: set[int] = field(default_factory=set)
@@ -81,6 +84,7 @@ class EarlyStage:
     bytes_written: int = 0
     puts: asyncio.Future | None = None
     headers: dict[str, str] | None = None
+    failed: bool = False
 
 
 @dataclass(slots=True)
@@ -125,7 +129,9 @@ class KVStager:
                  for i, k in enumerate(keys) if i not in early.staged}
         present = self.store.exists(list(items)) if items else []
         missing = {k: buf for (k, buf), p in zip(items.items(), present) if not p}
-        have = [k for k, p in zip(items, present) if p]
+        # the early-staged blocks' leases are renewed from the hand-off too, as a block found
+        # already staged is: over the store's cap the soonest-ending leases go first
+        have = [k for k, p in zip(items, present) if p] + [keys[i] for i in sorted(early.staged)]
         tkey = tail_key(request_id) if prompt_kv.tail is not None else None
         if self.ledger is not None:
             # recorded before the tail is written: a reaper that judged an older record of this
@@ -239,8 +245,8 @@ class PrefillWorker(ModelWorker):
     def _stage_early(self, request_id: str, first: int, block_hashes: list[bytes], buffers: list[memoryview]) -> None:
         """Put full blocks a prompt's last prefill chunk finished into the store, in a thread,
         after the prompt's earlier such puts (on the event loop, from the engine thread)."""
-        rec = self.early.get(request_id)
-        if rec is None or request_id not in self.pending:
+        rec, fut = self.early.get(request_id), self.pending.get(request_id)
+        if rec is None or fut is None or _failed(fut):
             return  # aborted, or handed off already
         dtype = self.engine.layout.dtype
         blocks = {first + i: buf for i, buf in enumerate(buffers)}
@@ -249,12 +255,19 @@ class PrefillWorker(ModelWorker):
         async def put() -> None:
             if before is not None:
                 await before
+            if _failed(fut):
+                return  # aborted meanwhile: nothing will be handed off (done with a result: the
+                # first token is out and the hand-off waits for this put)
+            if rec.failed:  # the store failed this prompt once: the hand-off tries once more, not each chunk
+                rec.unstaged.update(blocks)
+                return
             items = {block_key(block_hashes[i - first], dtype): buf for i, buf in blocks.items()}
             started = time.perf_counter()
             try:
                 with span("prefill.kv_put_early", rec.headers, request_id=request_id, blocks=len(items)):
                     written = await asyncio.to_thread(self.stager.put_blocks, items)
             except Exception as exc:  # the hand-off writes them (and raises what it raises)
+                rec.failed = True
                 rec.unstaged.update(blocks)
                 self.log.warning("kv_early_stage_failed", request_id=request_id,
                                  error=getattr(exc, "message", None) or repr(exc))
@@ -334,10 +347,11 @@ class PrefillWorker(ModelWorker):
             await item.ack()
             return
         early = self.early.pop(meta.request_id, None)
+        started = time.perf_counter()  # put_seconds counts the wait for the early puts too
         if early is not None and early.puts is not None:
             await early.puts  # the puts of earlier chunks (never raises: a failed one left its buffers)
-        started = time.perf_counter()
-        with span("prefill.kv_put", tokens=seq.num_prompt_tokens, early_blocks=len(early.staged) if early else 0):
+        with span("prefill.kv_put", tokens=seq.num_prompt_tokens, early_blocks=len(early.staged) if early else 0,
+                  waited_ms=round((time.perf_counter() - started) * 1e3, 1)):
             try:
                 handle, written = await asyncio.to_thread(self.stager.stage, meta.request_id, out.prompt_kv,
                                                           self.engine.layout, meta.deadline_at, early)
@@ -365,6 +379,11 @@ class PrefillWorker(ModelWorker):
             except KVTransferError as exc:  # the lease still bounds the record
                 self.log.warning("kv_ledger_update_failed", request_id=meta.request_id, error=exc.message)
         await item.ack()
+
+
+def _failed(fut: asyncio.Future) -> bool:
+    """The prefill's outcome is an abort or an error (not its first token)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
 
 
 def main_entry() -> None:

@@ -203,6 +203,12 @@ def test_blocks_handed_out_during_chunked_prefill_complete_the_final_export(tiny
         decode.step()
     assert decode.stats.num_prefill_tokens == 0
     assert seq.output_token_ids == reference(ref, prompt, 12, eos)
+    # a request its first token ends (max_tokens 1) has no hand-off: nothing is handed out early
+    handed.clear()
+    chunked.add_request("one", prompt, SamplingParams(max_tokens=1, temperature=0.0), stop_after_prefill=True)
+    while chunked.has_unfinished():
+        chunked.step()
+    assert handed == []
 
 
 def test_kv_handoff_with_missing_blocks_recomputes(tiny_model):

@@ -183,15 +183,87 @@ def test_a_hand_off_writes_only_what_the_early_puts_did_not(store):
     keys = [block_key(h, layout.dtype) for h in hashes]
     ledger = ledger_for(store)
     stager = KVStager(store, 30.0, 30.0, ledger, "prefill-a")
+    touched: list[str] = []
+    touch = store.touch
+    store.touch = lambda ks, ttl: (touched.extend(ks), touch(ks, ttl))[1]
     early = EarlyStage(staged={0, 1}, unstaged={2: memoryview(blocks[2])})
     early.bytes_written = stager.put_blocks({keys[0]: blocks[0], keys[1]: blocks[1]})
     assert early.bytes_written == 128
     assert stager.put_blocks({keys[0]: blocks[0]}) == 0  # held already: lease renewed, not rewritten
     kv = PromptKV(block_hashes=hashes, blocks=[memoryview(blocks[3])], tail=memoryview(b"t" * 10),
                   num_tail_tokens=1, num_tokens=17, first_block=3)
+    touched.clear()
     handle, written = stager.stage("req-early", kv, layout, early=early)
     assert written == 64 + 64 + 10
+    assert touched == keys[:2]  # the early blocks' leases run from the hand-off, as a re-staged block's
     assert handle.block_hashes == hashes and handle.tail_key == tail_key("req-early")
     assert [bytes(v) for v in store.get(keys)] == blocks
     (entry,) = [e for e in ledger.entries() if e.request_id == "req-early"]
     assert entry.block_bytes == 4 * 64 and entry.bytes == 10
+
+
+def test_early_puts_stop_at_the_first_store_failure_and_skip_aborted_prompts(tmp_path):
+    """An unreachable store costs a prompt one failed early put, not one per chunk: later chunks
+    keep their buffers for the hand-off's single attempt. A prompt aborted between chunks stages
+    nothing more."""
+    import types
+
+    from services.prefill.worker import EarlyStage, KVStager, PrefillWorker
+    from shared.errors import KVTransferError
+    from shared.kv.layout import KVLayout
+    from shared.kv.shm import ShmKVStore
+
+    class DownStore(ShmKVStore):
+        calls = 0
+
+        def exists(self, keys):
+            DownStore.calls += 1
+            raise KVTransferError("store down")
+
+    class Counter:
+        def inc(self, *_):
+            pass
+
+    layout = KVLayout(model_id="m", dtype="bfloat16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+
+    def worker(store):
+        w = types.SimpleNamespace(early={}, pending={}, engine=types.SimpleNamespace(layout=layout),
+                                  stager=KVStager(store, 30.0, 30.0), log=get_logger("test"),
+                                  kv_metrics={"put_bytes": Counter(), "put_seconds": Counter()})
+        w._stage_early = types.MethodType(PrefillWorker._stage_early, w)
+        return w
+
+    async def scenario():
+        hashes = [uuid.uuid4().bytes for _ in range(8)]
+        bufs = [memoryview(bytes([i]) * 64) for i in range(8)]
+        w = worker(DownStore(tmp_path / "down"))
+        w.pending["r"], w.early["r"] = asyncio.get_running_loop().create_future(), EarlyStage()
+        for c in range(4):
+            w._stage_early("r", 2 * c, hashes[2 * c:2 * c + 2], bufs[2 * c:2 * c + 2])
+        await w.early["r"].puts
+        assert DownStore.calls == 1 and w.early["r"].failed
+        assert sorted(w.early["r"].unstaged) == list(range(8)) and not w.early["r"].staged
+
+        # the first token arriving (the outcome set) before a queued put ran: the put still runs
+        store = ShmKVStore(tmp_path / "up")
+        w = worker(store)
+        fut = w.pending["f"] = asyncio.get_running_loop().create_future()
+        w.early["f"] = EarlyStage()
+        w._stage_early("f", 0, hashes[:2], bufs[:2])
+        w._stage_early("f", 2, hashes[2:4], bufs[2:4])
+        fut.set_result("first token")
+        await w.early["f"].puts
+        assert w.early["f"].staged == {0, 1, 2, 3}
+        store.clear()
+
+        w = worker(store)
+        fut = w.pending["a"] = asyncio.get_running_loop().create_future()
+        w.early["a"] = EarlyStage()
+        w._stage_early("a", 0, hashes[:2], bufs[:2])
+        await w.early["a"].puts
+        fut.set_exception(RuntimeError("aborted"))
+        fut.exception()
+        w._stage_early("a", 2, hashes[2:4], bufs[2:4])
+        assert w.early["a"].staged == {0, 1} and store.staged_bytes() == 128
+
+    asyncio.run(scenario())
