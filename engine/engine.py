@@ -422,8 +422,9 @@ class LLMEngine:
 
         Staging a long prompt's KV chunk by chunk overlaps the copy into the KV store with the
         rest of its prefill, so the hand-off after the first token moves only the last chunk:
-        the layer-wise / chunk-wise overlap of Splitwise (Patel et al., ISCA 2024, section 4.3)
-        and Mooncake's chunked transfer, here at the granularity of a prefill chunk."""
+        the overlap of KV transfer with prefill of Splitwise (Patel et al., ISCA 2024: layer by
+        layer) and Mooncake (Qin et al., FAST 2025: chunk by chunk), here per prefill chunk.
+        Nothing is handed out for a request its first token ends (``max_tokens`` ≤ 1)."""
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
             return  # the prompt is done: its first token is sampled this step, export_prompt_kv follows
         if seq.sampling.max_tokens <= 1:
