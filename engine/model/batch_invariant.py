@@ -24,7 +24,9 @@ Lab, 2025: each row's reductions in a fixed order with fixed split sizes):
   used the C++ paged kernel: the same token got three different reduction orders depending
   on prefix hits and chunking. Here every query token, prefill or decode, is one query of
   the paged decode kernel over its own context in the KV cache (positions ``0..p``): one
-  order per token, whatever the chunking, the prefix cache or the batch.
+  order per token, whatever the chunking, the prefix cache or the batch. Where the linears use
+  bf16 dot products (``PD_BLOCK_DOT`` resolved to ``bf16``) and the cache is bfloat16, q.k and
+  p.v do too (the kernels' ``bf16=True``: the same per-query order in decode and prefill).
 * **RMSNorm**: the one-pass C++ kernel, per row (float32 math as transformers does).
 * **Softmax and sampling** were per row already (``engine.sampler``: per-request seeded
   draws, ``(seed, output index)``).
@@ -147,24 +149,28 @@ class InvariantAttention:
 
     Args:
         base: the selected attention module (``kernels.cpu`` or the reference).
+        bf16: q.k and p.v as bf16 dot products (``kernels/cpu/paged_attention.cpp``, ``bfa``),
+            for a bfloat16 cache on a build with them (``has_bf16``); see :func:`attention_bf16`.
     """
 
     #: tells ``engine.model_runner.paged_attention_forward`` to send chunks without a cached
     #: prefix here too (not to its dense causal path)
     always_paged = True
 
-    def __init__(self, base):
+    def __init__(self, base, bf16: bool = False):
         self.base = base
-        self.__name__ = f"{base.__name__}+batch_invariant"
-        self.write_kv = base.write_kv
-        self.gather_kv = getattr(base, "gather_kv", None)
         self._per_token = base.__name__ != "kernels.cpu"  # the reference batches: call it per query
         self._ext = None if self._per_token else base.load()
+        self.bf16 = bool(bf16) and not self._per_token
+        self.__name__ = f"{base.__name__}+batch_invariant" + ("+bf16" if self.bf16 else "")
+        self.write_kv = base.write_kv
+        self.gather_kv = getattr(base, "gather_kv", None)
 
     def paged_decode_attention(self, query, k_cache, v_cache, block_tables, context_lens, scale):
         """Same contract as :func:`kernels.attention.paged_decode_attention`."""
         if not self._per_token:
-            return self.base.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+            return self._ext.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                                    self.bf16)
         return torch.cat([self.base.paged_decode_attention(query[i:i + 1], k_cache, v_cache, block_tables[i:i + 1],
                                                            context_lens[i:i + 1], scale)
                           for i in range(query.shape[0])])
@@ -179,11 +185,26 @@ class InvariantAttention:
         once per tile of queries instead of once per query; otherwise one decode query per token."""
         if not self._per_token:  # the C++ kernels: the tiled kernel, same per-query arithmetic
             return self._ext.paged_prefill_attention_tiled(query, k_cache, v_cache, block_table, int(context_len),
-                                                           float(scale), 0)
+                                                           float(scale), 0, self.bf16)
         n = query.shape[0]
         tables = block_table.unsqueeze(0).expand(n, -1)
         lens = torch.arange(context_len - n + 1, context_len + 1, dtype=torch.long)
         return self.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+
+
+def attention_bf16(runner, ext) -> bool:
+    """Whether this mode's attention runs q.k and p.v as bf16 dot products: where the runner's
+    block kernels do (``runner.block_dot == "bf16"``: a bfloat16 model on an AVX512-BF16 CPU
+    without AMX, :func:`engine.model.quant.resolve_block_dot`), with a bfloat16 KV cache, head_dim
+    64 or 128 and an extension built with them (``ext.has_bf16``).
+
+    Measured on AMD EPYC Zen 4 (AVX512-BF16, no AMX), one 512-token chunk at the end of a
+    2,048-token context, SmolLM2's 9 heads over 3 KV heads, 1 / 2 threads: 1.83x / 1.76x the float32
+    kernel; one decode query 1.57x / 1.45x (docs/decisions.md, "Attention as bf16 dot products").
+    """
+    cache = runner.kv_cache
+    return (getattr(runner, "block_dot", "float32") == "bf16" and cache.dtype == torch.bfloat16
+            and bool(getattr(ext, "has_bf16", False)) and cache.head_dim in (64, 128))
 
 
 def apply(runner) -> bool:
@@ -201,6 +222,6 @@ def apply(runner) -> bool:
         return False
     linears = _route_linears(runner.model)
     norms = _route_norms(runner.model, ext)
-    runner.attention = InvariantAttention(runner.attention)
+    runner.attention = InvariantAttention(runner.attention, attention_bf16(runner, ext))
     log.info("batch_invariant_on", linears=linears, norms=norms, attention=runner.attention.__name__)
     return True

@@ -38,8 +38,9 @@ SMALL_BATCH_ROWS_BF16 = 1
 
 
 @functools.cache
-def load():
-    """The compiled extension module.
+def load(emulate_bf16: bool = False):
+    """The compiled extension module (``has_bf16``: its attention kernels accept ``bf16=True``,
+    q.k and p.v as bf16 dot products over a bfloat16 cache; built where the CPU has AVX512-BF16).
 
     The build lives in its own folder per (source, flags, interpreter, torch version, CPU
     flags) under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so two
@@ -48,11 +49,16 @@ def load():
     own build step left behind in a killed process is removed under it, so a killed build
     never makes later starts wait forever.
 
+    Args:
+        emulate_bf16: the test build: the bf16 path's instructions modelled in scalar code
+            (``kernels/cpu/quant_block.h``), so it runs, more slowly, on any AVX2 CPU.
+
     Raises:
         RuntimeError: no C++ compiler, or the build failed.
     """
     # -fopenmp: at::parallel_for is OpenMP inside torch; without the flag it runs serially
-    return build_extension("paged_attention.cpp", "pdserve_cpu_paged_attention", ["-O3", "-fopenmp", "-ffp-contract=fast"])
+    flags = ["-O3", "-fopenmp", "-ffp-contract=fast"] + (["-DPDQ_BF16_EMULATE"] if emulate_bf16 else [])
+    return build_extension("paged_attention.cpp", "pdserve_cpu_paged_attention", flags)
 
 
 def build_extension(source_name: str, name: str, flags: list[str]):

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,9 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "quant_block.h"  // pdq::vbh / vacc / bdot: bf16 dot products (native or the emulated test build)
 #endif
 
 namespace {
@@ -233,6 +237,22 @@ inline const float* block_rows_f32(const KV* base, int64_t n, int64_t row, int64
   }
 }
 
+// Work items 0 .. n - 1 over the threads, handed out one at a time as threads come free
+// (at::parallel_for's equal contiguous ranges give one thread all the long-context tiles of a
+// causal prefill: 3:1 work between two threads). body(next_item) runs once per thread (its
+// buffers set up once) and takes items from next_item() until it returns -1. Which thread
+// computes an item never changes its result.
+template <typename Body>
+void for_each_item(int64_t n, Body&& body) {
+  std::atomic<int64_t> next{0};
+  auto next_item = [&]() -> int64_t {
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads()));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next_item); });
+}
+
 // DC: head_dim known at compile time (64, 128), so the per-head loops unroll fully and the
 // accumulators stay in registers; DC = 0 takes head_dim at run time.
 template <typename KV, int64_t DC>
@@ -262,14 +282,14 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
   const int64_t width = heads_per_item * D;            // the contiguous part of a row an item reads
   const int64_t qheads = heads_per_item * group;       // query heads an item serves
 
-  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  for_each_item(batch * items_per_seq, [&](auto&& next_item) {
     std::vector<float> scores;
     std::vector<float> qs(static_cast<size_t>(qheads * D));
     std::vector<float> acc(static_cast<size_t>(qheads * D));
     // bf16 caches: one block of K or V rows widened to float32 once, read by every query head
     std::vector<float> blk_f(static_cast<size_t>(block_size * width));
     std::vector<float> m(static_cast<size_t>(qheads)), inv(static_cast<size_t>(qheads));
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t b = item / items_per_seq, g0 = (item % items_per_seq) * heads_per_item;
       const int64_t len = lens[b];
       const int64_t* table = tables + b * max_blocks;
@@ -370,13 +390,13 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
   const float s = static_cast<float>(scale);
 
   // items: (tile, kv head), the largest tiles (the last queries see the most keys) first
-  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  for_each_item(num_tiles * num_kv_heads, [&](auto&& next_item) {
     const int64_t rows_max = tile * group;
     std::vector<float> scores(static_cast<size_t>(rows_max * context_len));
     std::vector<float> qs(static_cast<size_t>(rows_max * D)), acc(static_cast<size_t>(rows_max * D));
     std::vector<float> blk_f(static_cast<size_t>(block_size * D));
     std::vector<float> m(static_cast<size_t>(rows_max)), inv(static_cast<size_t>(rows_max));
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t ti = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
       const int64_t i0 = ti * tile, i1 = std::min(n, i0 + tile), T = i1 - i0;
       const int64_t max_len = prefix + i1;  // the tile's last query's context
@@ -431,6 +451,459 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
   });
 }
 
+#if defined(PDQ_BF16)
+// ---- bf16 dot products (AVX512-BF16 `vdpbf16ps`, or the emulated test build) ---------------------
+// The same kernels with the q.k and p.v products as bf16 pair dot products, for a bf16 KV cache
+// (used when the model's linears use them too: PD_BLOCK_DOT=bf16, engine.model.batch_invariant).
+// Where it rounds, per (query, head), identically in decode and in the prefill tiles:
+//   1. q (scaled, float32) is rounded to bf16 once (vcvtneps2bf16: to nearest even, denormals
+//      flushed); K and V are the cache's bf16, exact.
+//   2. score of key j: four accumulator chains over the D / 2 pairs of elements (a "word" w:
+//      elements 2w, 2w + 1), chain c taking the words w = c, c + 4, c + 8, ... in order, each
+//      step one `vdpbf16ps` (lane = key: the exact products of elements 2w + 1 then 2w added to
+//      the lane, float32 rounding per add), then (c0 + c1) + (c2 + c3). Keys sit in the 16 lanes,
+//      so no horizontal sum is needed: each block's K rows are transposed to words x keys once
+//      and read by every query head (and, in prefill, every query of the tile) that uses it.
+//   3. the max and the softmax's exp / sum are the float32 kernel's (exp_sub_sum); the weights p
+//      are then rounded to bf16.
+//   4. p.v: one accumulator chain per output element over the context's pairs of keys (2k, 2k + 1)
+//      in order (pairs by position in the context, whatever the block size); a step is one
+//      `vdpbf16ps` adding p[2k+1] v[2k+1] then p[2k] v[2k]. The partner of a query's last key,
+//      when the key count is odd, takes p = 0 (its product is exactly zero, so the sum is that
+//      of the real keys alone); past the context's end its V row is read as zeros.
+//   5. the output is acc / sum (float32), as in the float32 kernel.
+// So a token's attention output is bit-identical decoded or prefilled in any chunk (the same
+// functions below do the arithmetic for both). Versus float32 math it differs by the bf16
+// rounding of q and p (relative 2^-9 each): bf16 flash-attention on GPUs rounds P the same way.
+namespace bfa {
+using pdq::vacc;
+using pdq::vbh;
+
+inline vbh bset1(uint32_t w) {  // one pair (32 bits) in every lane
+#if defined(PDQ_BF16_EMULATE)
+  vbh v;
+  for (int i = 0; i < 16; ++i) {
+    v.e[2 * i] = static_cast<uint16_t>(w);
+    v.e[2 * i + 1] = static_cast<uint16_t>(w >> 16);
+  }
+  return v;
+#else
+  return (vbh)_mm512_set1_epi32(static_cast<int>(w));
+#endif
+}
+inline vacc add(vacc a, vacc b) {
+#if defined(PDQ_BF16_EMULATE)
+  for (int i = 0; i < 16; ++i) a.f[i] = a.f[i] + b.f[i];
+  return a;
+#else
+  return _mm512_add_ps(a, b);
+#endif
+}
+inline vacc load(const float* p) {
+#if defined(PDQ_BF16_EMULATE)
+  vacc v;
+  std::memcpy(v.f, p, sizeof v.f);
+  return v;
+#else
+  return _mm512_loadu_ps(p);
+#endif
+}
+inline void store(float* p, vacc v) {
+#if defined(PDQ_BF16_EMULATE)
+  std::memcpy(p, v.f, sizeof v.f);
+#else
+  _mm512_storeu_ps(p, v);
+#endif
+}
+inline void store_first(float* p, vacc v, int64_t n) {  // lanes 0 .. n - 1 (n <= 16)
+#if defined(PDQ_BF16_EMULATE)
+  std::memcpy(p, v.f, static_cast<size_t>(n) * sizeof(float));
+#else
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
+#endif
+}
+// m[i] = max(m[i], v[i]) for lanes i < n (n <= 16), in memory (16 floats)
+inline void max_first(float* m, vacc v, int64_t n) {
+#if defined(PDQ_BF16_EMULATE)
+  for (int64_t i = 0; i < n; ++i) m[i] = std::max(m[i], v.f[i]);
+#else
+  const __m512 a = _mm512_loadu_ps(m);
+  _mm512_storeu_ps(m, _mm512_mask_max_ps(a, static_cast<__mmask16>((1u << n) - 1u), a, v));
+#endif
+}
+inline float max_all(const float* m) {  // the largest of 16 lanes (exact in any order)
+  float r = m[0];
+  for (int i = 1; i < 16; ++i) r = std::max(r, m[i]);
+  return r;
+}
+
+// Softmax weights (item 3): x[0 .. n) := exp(x - m) as bf16, in place (y = x's memory as uint16:
+// y[j] overwrites bytes of x already read), y[n] = 0 (the pad partner of an odd last key);
+// returns the sum of the float32 exps. exp as exp_poly (the Cephes polynomial), written so that
+// every rounding is explicit: k = round(x log2 e) (to nearest even), f = fma(x, log2 e, -k), the
+// polynomial by FMAs, 2^k applied by scalef (exact: x >= -87 keeps it normal); the sum over 16
+// lanes (lane = j mod 16, in order), then _mm512_reduce_add_ps's tree. No multiply feeds an add,
+// so -ffp-contract cannot change the bits between callers; the emulated build does the same
+// operations in scalar code.
+inline float exp_round(float* x, int64_t n, float m) {
+  uint16_t* y = reinterpret_cast<uint16_t*>(x);
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kC[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f,
+                           2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+#if defined(PDQ_BF16_EMULATE)
+  vacc acc = pdq::bzero();
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t nn = std::min<int64_t>(16, n - j);
+    float e[16];
+    for (int64_t i = 0; i < nn; ++i) {
+      float v;
+      std::memcpy(&v, x + j + i, sizeof(v));
+      v = std::max(v - m, -87.0f);
+      const float k = std::nearbyint(v * kLog2e);
+      const float f = std::fma(v, kLog2e, -k);
+      float p = kC[0];
+      for (int c = 1; c < 7; ++c) p = std::fma(p, f, kC[c]);
+      e[i] = std::ldexp(p, static_cast<int>(k));
+    }
+    for (int64_t i = 0; i < nn; ++i) {
+      acc.f[i] = acc.f[i] + e[i];
+      y[j + i] = pdq::bf16_rne(e[i]);
+    }
+  }
+  y[n] = 0;
+  return pdq::bsum(acc);
+#else
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.0f), l2e = _mm512_set1_ps(kLog2e);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = static_cast<__mmask16>(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);
+    const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + j), mv), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, l2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_fmsub_ps(v, l2e, k);
+    __m512 p = _mm512_set1_ps(kC[0]);
+    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC[c]));
+    const __m512 e = _mm512_maskz_mov_ps(mask, _mm512_scalef_ps(p, k));
+    acc = _mm512_add_ps(acc, e);
+    _mm256_mask_storeu_epi16(y + j, mask, (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  y[n] = 0;
+  return _mm512_reduce_add_ps(acc);
+#endif
+}
+
+inline uint32_t word(const uint16_t* p) {  // elements p[0] (low half) and p[1]
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// x[0 .. n) (float32) to bf16 in place (y = x's memory as uint16: y[j] overwrites bytes of x that
+// were read already), then y[n] = 0 (the pad partner of an odd last key). Returns y.
+inline uint16_t* round_row(float* x, int64_t n) {
+  uint16_t* y = reinterpret_cast<uint16_t*>(x);
+  int64_t j = 0;
+#if !defined(PDQ_BF16_EMULATE)
+  for (; j + 16 <= n; j += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), (__m256i)h);
+  }
+#endif
+  for (; j < n; ++j) {
+    float v;
+    std::memcpy(&v, x + j, sizeof(v));
+    y[j] = pdq::bf16_rne(v);
+  }
+  y[n] = 0;
+  return y;
+}
+
+// q (D floats) times s, rounded to bf16: D / 2 words.
+inline void round_query(const float* q, float s, int64_t D, uint16_t* out) {
+  alignas(64) float tmp[256];
+  for (int64_t i0 = 0; i0 < D; i0 += 256) {
+    const int64_t m = std::min<int64_t>(256, D - i0);
+    for (int64_t i = 0; i < m; ++i) tmp[i] = q[i0 + i] * s;  // the float32 kernel's scaling
+    round_row(tmp, m);
+    std::memcpy(out + i0, tmp, static_cast<size_t>(m) * sizeof(uint16_t));
+  }
+}
+
+// Up to 16 keys' rows (rows[i], D elements each; n <= 16) transposed to words x keys:
+// kt[w * 16 + i] = word w of key i (elements 2w, 2w + 1), 0 for i >= n.
+inline void key_words(const uint16_t* const* rows, int64_t n, int64_t D, uint32_t* kt) {
+  const int64_t W = D / 2;
+#if defined(PDQ_BF16_EMULATE)
+  for (int64_t w = 0; w < W; ++w)
+    for (int64_t i = 0; i < 16; ++i) kt[w * 16 + i] = i < n ? word(rows[i] + 2 * w) : 0u;
+#else
+  for (int64_t w0 = 0; w0 < W; w0 += 16) {  // a 16 x 16 transpose of 32-bit words per 16 words
+    __m512i r[16], t[16], u[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < n ? _mm512_loadu_si512(rows[i] + 2 * w0) : _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i + 1 of words 4L, 4L + 1 / 4L + 2, 4L + 3
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // u[4i + j], lane L: rows 4i .. 4i + 3 of word 4L + j
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {  // word 4L + j: lane L of u[j], u[4 + j], u[8 + j], u[12 + j]
+      const __m512i p0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), p1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+      const __m512i q0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), q1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+      _mm512_storeu_si512(kt + (w0 + j) * 16, _mm512_shuffle_i32x4(p0, q0, 0x88));
+      _mm512_storeu_si512(kt + (w0 + 4 + j) * 16, _mm512_shuffle_i32x4(p0, q0, 0xDD));
+      _mm512_storeu_si512(kt + (w0 + 8 + j) * 16, _mm512_shuffle_i32x4(p1, q1, 0x88));
+      _mm512_storeu_si512(kt + (w0 + 12 + j) * 16, _mm512_shuffle_i32x4(p1, q1, 0xDD));
+    }
+  }
+#endif
+}
+
+// n keys' V rows (rows[i], D elements each) as pairs of keys: vp[k * D + d] = v[2k][d] |
+// v[2k + 1][d] << 16 for k < ceil(n / 2), a missing row 2k + 1 (>= n) as zeros.
+inline void value_pairs(const uint16_t* const* rows, int64_t n, int64_t D, uint32_t* vp) {
+  for (int64_t k = 0; 2 * k < n; ++k) {
+    const uint16_t* a = rows[2 * k];
+    const uint16_t* b = 2 * k + 1 < n ? rows[2 * k + 1] : nullptr;
+    uint32_t* out = vp + k * D;
+    int64_t d = 0;
+#if !defined(PDQ_BF16_EMULATE)
+    for (; d + 16 <= D; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      const __m512i hi = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))), 16)
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + d, _mm512_or_si512(lo, hi));
+    }
+#endif
+    for (; d < D; ++d) out[d] = static_cast<uint32_t>(a[d]) | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
+  }
+}
+
+// Scores of nkeys keys (kt: key_words of each 16 keys in turn) for NH query heads (item 2): head
+// h's words at q + h * qs, its scores stored from out + h * os, and folded into its running
+// maximum mx + 16 h (16 lanes; a maximum is exact in any order).
+template <int64_t W, int NH>
+inline void score_keys(const uint16_t* q, int64_t qs, const uint32_t* kt, int64_t nkeys, float* out, int64_t os,
+                       float* mx) {
+  static_assert(W % 4 == 0, "four chains");
+  for (int64_t j = 0; j < nkeys; j += 16, kt += 16 * W) {
+    const int64_t n = std::min<int64_t>(16, nkeys - j);
+    vacc c0[NH], c1[NH], c2[NH], c3[NH];
+    for (int h = 0; h < NH; ++h) c0[h] = c1[h] = c2[h] = c3[h] = pdq::bzero();
+#pragma GCC unroll 8
+    for (int64_t w = 0; w < W; w += 4) {
+      const vbh k0 = pdq::bload(reinterpret_cast<const uint16_t*>(kt + w * 16));
+      const vbh k1 = pdq::bload(reinterpret_cast<const uint16_t*>(kt + (w + 1) * 16));
+      const vbh k2 = pdq::bload(reinterpret_cast<const uint16_t*>(kt + (w + 2) * 16));
+      const vbh k3 = pdq::bload(reinterpret_cast<const uint16_t*>(kt + (w + 3) * 16));
+      for (int h = 0; h < NH; ++h) {
+        const uint16_t* qh = q + h * qs + 2 * w;
+        c0[h] = pdq::bdot(c0[h], bset1(word(qh)), k0);
+        c1[h] = pdq::bdot(c1[h], bset1(word(qh + 2)), k1);
+        c2[h] = pdq::bdot(c2[h], bset1(word(qh + 4)), k2);
+        c3[h] = pdq::bdot(c3[h], bset1(word(qh + 6)), k3);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      const vacc sc = add(add(c0[h], c1[h]), add(c2[h], c3[h]));
+      store_first(out + h * os + j, sc, n);
+      max_first(mx + 16 * h, sc, n);
+    }
+  }
+}
+
+// score_keys for any number of heads (three at a time share each load of a key word)
+template <int64_t W>
+inline void score_heads(const uint16_t* q, int64_t qs, int64_t nh, const uint32_t* kt, int64_t nkeys, float* out,
+                        int64_t os, float* mx) {
+  int64_t h = 0;
+  for (; h + 3 <= nh; h += 3) score_keys<W, 3>(q + h * qs, qs, kt, nkeys, out + h * os, os, mx + 16 * h);
+  for (; h + 2 <= nh; h += 2) score_keys<W, 2>(q + h * qs, qs, kt, nkeys, out + h * os, os, mx + 16 * h);
+  for (; h < nh; ++h) score_keys<W, 1>(q + h * qs, qs, kt, nkeys, out + h * os, os, mx + 16 * h);
+}
+
+// acc_h[0 .. D) += sum over the npairs pairs k of p_h[2k] v[2k] + p_h[2k+1] v[2k+1] for NH query
+// heads (item 4): head h's bf16 weights at p + h * ps, its accumulators at acc + h * as; vp
+// value_pairs of consecutive pairs. The heads share each load of vp, and their NH x D / 16
+// chains are independent (one chain alone would wait on the instruction's latency).
+template <int64_t DC, int NH>
+inline void weigh_values(const uint16_t* p, int64_t ps, int64_t npairs, const uint32_t* vp, float* acc, int64_t as) {
+  constexpr int64_t C = DC / 16;
+  vacc a[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int64_t c = 0; c < C; ++c) a[h][c] = load(acc + h * as + 16 * c);
+  for (int64_t k = 0; k < npairs; ++k) {
+    vbh pk[NH];
+    for (int h = 0; h < NH; ++h) pk[h] = bset1(word(p + h * ps + 2 * k));
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) {
+      const vbh v = pdq::bload(reinterpret_cast<const uint16_t*>(vp + k * DC + 16 * c));
+      for (int h = 0; h < NH; ++h) a[h][c] = pdq::bdot(a[h][c], pk[h], v);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int64_t c = 0; c < C; ++c) store(acc + h * as + 16 * c, a[h][c]);
+}
+
+// weigh_values for any number of heads (three at a time; two for head_dim 128, whose 8 chains a
+// head fill the registers sooner)
+template <int64_t DC>
+inline void weigh_heads(const uint16_t* p, int64_t ps, int64_t nh, int64_t npairs, const uint32_t* vp, float* acc,
+                        int64_t as) {
+  int64_t h = 0;
+  if constexpr (DC <= 64)
+    for (; h + 3 <= nh; h += 3) weigh_values<DC, 3>(p + h * ps, ps, npairs, vp, acc + h * as, as);
+  for (; h + 2 <= nh; h += 2) weigh_values<DC, 2>(p + h * ps, ps, npairs, vp, acc + h * as, as);
+  for (; h < nh; ++h) weigh_values<DC, 1>(p + h * ps, ps, npairs, vp, acc + h * as, as);
+}
+
+// Keys whose K (then V) one pass lays out for the tile's queries (key_words, value_pairs): the
+// loops over keys run this long per call. A multiple of 16, so chunks of 16 keys and pairs of
+// keys sit at the same positions whatever the block size.
+constexpr int64_t kSpan = 128;
+
+// One KV head g of one sequence, for T consecutive queries of it (the last one's context is
+// max_len tokens, query r's is max_len - T + 1 + r): items 1-5 above. Decode (T = 1) and the
+// prefill tiles both run this, so a query's arithmetic is the same code whatever the call.
+// Scratch buffers live in the struct (one per thread), grown as needed.
+template <int64_t DC>
+struct Tile {
+  static constexpr int64_t D = DC, W = DC / 2;
+  std::vector<float> scores, acc, mx, inv;
+  std::vector<uint16_t> qw;
+  std::vector<uint32_t> kt, vp;
+  const uint16_t* rows_[kSpan];
+
+  //   q: the T x group query rows (float32, unscaled), head h of query r at q + r * q_row + h * D
+  //   k, v: the caches (bf16 as uint16) at this KV head's first element; block_stride, row
+  //   table: the sequence's block ids; out: like q, o_row apart
+  void run(const float* q, int64_t q_row, int64_t T, int64_t group, int64_t max_len, const uint16_t* k,
+           const uint16_t* v, int64_t block_size, int64_t block_stride, int64_t row, const int64_t* table, float s,
+           float* out, int64_t o_row) {
+    const int64_t rows = T * group;
+    const int64_t first = max_len - T + 1;  // query 0's context
+    scores.resize(static_cast<size_t>(rows * max_len + 1));
+    acc.assign(static_cast<size_t>(rows * D), 0.f);
+    mx.assign(static_cast<size_t>(rows * 16), -std::numeric_limits<float>::infinity());
+    inv.resize(static_cast<size_t>(rows));
+    qw.resize(static_cast<size_t>(rows * D));
+    kt.resize(static_cast<size_t>(kSpan * W));
+    vp.resize(static_cast<size_t>(kSpan / 2 * D));
+    // the rows of keys t0 .. t0 + n - 1 of one cache
+    auto rows_at = [&](const uint16_t* cache, int64_t t0, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        rows_[i] = cache + table[t / block_size] * block_stride + (t % block_size) * row;
+      }
+      return rows_;
+    };
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t h = 0; h < group; ++h) round_query(q + r * q_row + h * D, s, D, qw.data() + (r * group + h) * D);
+    auto row_of = [&](int64_t r) { return scores.data() + r * group * max_len; };  // query r's head 0
+    // pass 1: scores and their maxima, kSpan keys at a time
+    for (int64_t t0 = 0; t0 < max_len; t0 += kSpan) {
+      const int64_t len = std::min(kSpan, max_len - t0);
+      const uint16_t* const* kr = rows_at(k, t0, len);
+      for (int64_t c0 = 0; c0 < len; c0 += 16)
+        key_words(kr + c0, std::min<int64_t>(16, len - c0), D, kt.data() + c0 * W);
+      for (int64_t r = std::max<int64_t>(0, t0 - first + 1); r < T; ++r) {  // query r sees t < first + r
+        const int64_t nr = std::min(len, first + r - t0);
+        score_heads<W>(qw.data() + r * group * D, D, group, kt.data(), nr, row_of(r) + t0, max_len,
+                       mx.data() + r * group * 16);
+      }
+    }
+    // softmax weights as bf16, in place
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t L = first + i / group;
+      inv[i] = 1.f / exp_round(scores.data() + i * max_len, L, max_all(mx.data() + i * 16));
+    }
+    // pass 2: weighted V, the same spans of keys
+    const uint16_t* p16 = reinterpret_cast<const uint16_t*>(scores.data());
+    for (int64_t t0 = 0; t0 < max_len; t0 += kSpan) {
+      const int64_t len = std::min(kSpan, max_len - t0);
+      value_pairs(rows_at(v, t0, len), len, D, vp.data());
+      for (int64_t r = std::max<int64_t>(0, t0 - first + 1); r < T; ++r) {
+        const int64_t nr = std::min(len, first + r - t0);
+        weigh_heads<DC>(p16 + 2 * r * group * max_len + t0, 2 * max_len, group, (nr + 1) / 2, vp.data(),
+                        acc.data() + r * group * D, D);
+      }
+    }
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t h = 0; h < group; ++h) {
+        const float* a = acc.data() + (r * group + h) * D;
+        const float iv = inv[r * group + h];
+        float* oh = out + r * o_row + h * D;
+        for (int64_t i = 0; i < D; ++i) oh[i] = a[i] * iv;
+      }
+  }
+};
+}  // namespace bfa
+
+// run's bf16 twin (see bfa above): decode queries, one per sequence; a work item is one
+// (sequence, KV head), computed by bfa::Tile as a tile of one query.
+template <int64_t DC>
+void run_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+  static_assert(DC % 32 == 0, "head_dim a multiple of 32");
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t row = num_kv_heads * DC, block_stride = block_size * row;
+  const float* q = query.data_ptr<float>();
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for_each_item(batch * num_kv_heads, [&](auto&& next_item) {
+    bfa::Tile<DC> tile;
+    for (int64_t item; (item = next_item()) >= 0;) {
+      const int64_t b = item / num_kv_heads, g = item % num_kv_heads;
+      const int64_t at = (b * num_heads + g * group) * DC;
+      tile.run(q + at, 0, 1, group, lens[b], kc + g * DC, vc + g * DC, block_size, block_stride, row,
+               tables + b * max_blocks, static_cast<float>(scale), o + at, 0);
+    }
+  });
+}
+
+// run_prefill's bf16 twin: work items (tile of queries, KV head), each a bfa::Tile, so every
+// query is reduced exactly as run_bf16 reduces it.
+template <int64_t DC>
+void run_prefill_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& block_table, int64_t context_len, double scale, int64_t tile_arg,
+                      torch::Tensor& out) {
+  static_assert(DC % 32 == 0, "head_dim a multiple of 32");
+  const int64_t n = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * DC, block_stride = block_size * row;
+  const int64_t prefix = context_len - n;
+  int64_t tile = tile_arg > 0 ? tile_arg : (int64_t{1} << 18) / std::max<int64_t>(1, group * context_len);
+  tile = std::clamp<int64_t>(tile, tile_arg > 0 ? 1 : 4, 64);
+  if (tile_arg <= 0) tile = (n + (n + tile - 1) / tile - 1) / ((n + tile - 1) / tile);
+  const int64_t num_tiles = (n + tile - 1) / tile;
+  const float* q = query.data_ptr<float>();
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  // items: (tile, kv head), the largest tiles (the last queries see the most keys) first
+  for_each_item(num_tiles * num_kv_heads, [&](auto&& next_item) {
+    bfa::Tile<DC> t;
+    for (int64_t item; (item = next_item()) >= 0;) {
+      const int64_t ti = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
+      const int64_t i0 = ti * tile, i1 = std::min(n, i0 + tile);
+      const int64_t at = (i0 * num_heads + g * group) * DC;
+      t.run(q + at, num_heads * DC, i1 - i0, group, prefix + i1, kc + g * DC, vc + g * DC, block_size, block_stride,
+            row, table, static_cast<float>(scale), o + at, num_heads * DC);
+    }
+  });
+}
+#endif  // PDQ_BF16
+
 template <typename KV>
 void dispatch(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
               const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
@@ -454,15 +927,36 @@ void dispatch_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, 
 
 }  // namespace
 
+// Whether bf16=true can run: the build has bf16 dot products (AVX512-BF16, or the emulated test
+// build) and the call has a bf16 cache and head_dim 64 or 128.
+bool bf16_supported(const torch::Tensor& query, const torch::Tensor& k_cache) {
+#if defined(PDQ_BF16)
+  return k_cache.scalar_type() == torch::kBFloat16 && (query.size(2) == 64 || query.size(2) == 128);
+#else
+  (void)query;
+  (void)k_cache;
+  return false;
+#endif
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool bf16) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(!bf16 || bf16_supported(query, k_cache),
+              "bf16 dot products need a build with them (has_bf16), a bf16 cache and head_dim 64 or 128");
   auto q = query.to(torch::kFloat32).contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = context_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
+#if defined(PDQ_BF16)
+  if (bf16) {
+    if (q.size(2) == 64) run_bf16<64>(q, k_cache, v_cache, tables, lens, scale, out);
+    else run_bf16<128>(q, k_cache, v_cache, tables, lens, scale, out);
+    return out.to(query.scalar_type());
+  }
+#endif
   if (k_cache.scalar_type() == torch::kFloat32) {
     dispatch<float>(q, k_cache, v_cache, tables, lens, scale, out);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
@@ -474,19 +968,29 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 }
 
 // Batch-invariant prefill attention (run_prefill above): query [n, H, D] are the last n positions
-// of a context of context_len tokens already in the cache; tile <= 0 picks the tile size.
+// of a context of context_len tokens already in the cache; tile <= 0 picks the tile size. bf16:
+// run_prefill_bf16, the arithmetic of paged_decode_attention(..., bf16=true).
 torch::Tensor paged_prefill_attention_tiled(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                             torch::Tensor block_table, int64_t context_len, double scale,
-                                            int64_t tile) {
+                                            int64_t tile, bool bf16) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(context_len >= query.size(0), "context_len must cover the queries");
+  TORCH_CHECK(!bf16 || bf16_supported(query, k_cache),
+              "bf16 dot products need a build with them (has_bf16), a bf16 cache and head_dim 64 or 128");
   auto q = query.to(torch::kFloat32).contiguous();
   auto table = block_table.to(torch::kInt64).contiguous();
   TORCH_CHECK(table.dim() == 1 && table.size(0) * k_cache.size(1) >= context_len, "block_table too short");
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out.to(query.scalar_type());
+#if defined(PDQ_BF16)
+  if (bf16) {
+    if (q.size(2) == 64) run_prefill_bf16<64>(q, k_cache, v_cache, table, context_len, scale, tile, out);
+    else run_prefill_bf16<128>(q, k_cache, v_cache, table, context_len, scale, tile, out);
+    return out.to(query.scalar_type());
+  }
+#endif
   if (k_cache.scalar_type() == torch::kFloat32) {
     dispatch_prefill<float>(q, k_cache, v_cache, table, context_len, scale, tile, out);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
@@ -613,8 +1117,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm over the last dimension (CPU, float32)");
-  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
+        "paged decode attention (CPU); bf16: q.k and p.v as bf16 dot products (has_bf16, bf16 cache)", py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("bf16") = false);
   m.def("paged_prefill_attention_tiled", &paged_prefill_attention_tiled, py::call_guard<py::gil_scoped_release>(),
-        "batch-invariant prefill attention: the decode kernel's per-query arithmetic, K/V read once per query tile (CPU)");
+        "batch-invariant prefill attention: the decode kernel's per-query arithmetic, K/V read once per query tile (CPU)",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
+        py::arg("scale"), py::arg("tile"), py::arg("bf16") = false);
+#if defined(PDQ_BF16)
+  m.attr("has_bf16") = true;  // bf16=true accepted (AVX512-BF16, or the emulated test build)
+#else
+  m.attr("has_bf16") = false;
+#endif
   m.def("linear_small_batch", &linear_small_batch, py::call_guard<py::gil_scoped_release>(), "x W^T for a few rows of x (CPU)");
 }

@@ -358,3 +358,140 @@ def test_any_thread_count_gives_the_same_bits(bf16_model, monkeypatch):
         torch.set_num_threads(before)
     assert one == two == flipped
     assert set(counts) == {1, 2} and len(one["l"].tokens) == GREEDY.max_tokens
+
+
+def _attention_build(kind: str):
+    """The attention extension of ``kind``: ``native`` (skipped without AVX512-BF16) or
+    ``emulated`` (the bf16 instructions modelled in scalar code; any AVX2 CPU)."""
+    from kernels import cpu
+
+    try:
+        ext = cpu.load(emulate_bf16=kind == "emulated")
+    except RuntimeError as exc:
+        pytest.skip(f"no C++ extension: {exc}")
+    if not ext.has_bf16:
+        pytest.skip("this CPU has no AVX512-BF16 (the 'emulated' case runs the same path)")
+    return ext
+
+
+@pytest.mark.parametrize("kind", ["native", pytest.param("emulated", marks=pytest.mark.slow)])
+def test_bf16_attention_prefill_tiles_equal_decode_queries(kind):
+    """q.k and p.v as bf16 dot products (``bf16=True``): every query bit-identical decoded alone,
+    decoded in a batch and prefilled in tiles of any size, at block sizes that put pairs and
+    16-key chunks across blocks (1, 4, 5, 32) and span edges (128 keys), for head_dim 64 and 128;
+    within bf16 rounding of the float64 reference, and not the float32 kernel's bits (so the
+    bf16 path ran)."""
+    ext = _attention_build(kind)
+    gen = torch.Generator().manual_seed(5)
+    cases = [  # (context_len, queries, block_size, heads, kv heads, head_dim)
+        (1, 1, 16, 9, 3, 64), (2, 2, 4, 9, 3, 64), (17, 5, 16, 9, 3, 64), (130, 130, 16, 9, 3, 64),
+        (257, 100, 5, 4, 2, 64), (300, 37, 4, 9, 3, 64), (129, 129, 32, 2, 1, 64), (700, 65, 16, 4, 2, 128),
+        (160, 3, 1, 2, 2, 128),
+    ]
+    for context_len, n, block_size, heads, kv_heads, head_dim in cases:
+        blocks = -(-context_len // block_size)
+        k = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+        v = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+        table = torch.randperm(blocks + 2, generator=gen)[:blocks]
+        q = torch.randn(n, heads, head_dim, generator=gen)
+        lens = torch.arange(context_len - n + 1, context_len + 1)
+        tables = table.unsqueeze(0).expand(n, -1).contiguous()
+        case = (context_len, n, block_size, heads, kv_heads, head_dim)
+        decoded = ext.paged_decode_attention(q, k, v, tables, lens, 0.125, True)
+        alone = torch.cat([ext.paged_decode_attention(q[i:i + 1], k, v, table.unsqueeze(0), lens[i:i + 1], 0.125, True)
+                           for i in (0, n // 2, n - 1)])
+        assert torch.equal(alone, decoded[[0, n // 2, n - 1]]), case
+        for tile in (0, 1, 3, 64):
+            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile, True)
+            assert torch.equal(tiled, decoded), (*case, tile)
+        kk = k[table].flatten(0, 1)[:context_len].double().repeat_interleave(heads // kv_heads, dim=1)
+        vv = v[table].flatten(0, 1)[:context_len].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("nhd,thd->nht", q.double(), kk) * 0.125
+        scores.masked_fill_((torch.arange(context_len)[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+        ref = torch.einsum("nht,thd->nhd", scores.softmax(-1), vv)
+        torch.testing.assert_close(decoded.double(), ref, rtol=2e-2, atol=2e-2)
+        assert ((decoded.double() - ref).norm() / ref.norm()).item() < 1e-2, case
+        if context_len > 1:
+            assert not torch.equal(decoded, ext.paged_decode_attention(q, k, v, tables, lens, 0.125)), case
+
+
+@pytest.mark.slow
+def test_bf16_attention_instructions_give_the_bits_of_their_scalar_model():
+    """The native build (AVX512-BF16) and the emulated one (the instructions modelled in scalar
+    code, quant_block.h) give the same bits for the same inputs: the emulated case's tests test
+    the code the machine runs."""
+    native, emulated = _attention_build("native"), _attention_build("emulated")
+    gen = torch.Generator().manual_seed(9)
+    for context_len, n, block_size, heads, kv_heads, head_dim in [(300, 40, 16, 9, 3, 64), (259, 259, 5, 4, 2, 128)]:
+        blocks = -(-context_len // block_size)
+        k = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+        v = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+        table = torch.randperm(blocks, generator=gen)
+        q = torch.randn(n, heads, head_dim, generator=gen) * 4
+        outs = [ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, 0, True) for ext in (native, emulated)]
+        assert torch.equal(*outs)
+
+
+@pytest.fixture(scope="module", params=["native", pytest.param("emulated", marks=[pytest.mark.slow,
+                                                                                  pytest.mark.timeout(1800)])])
+def wide_bf16_model(request, tmp_path_factory):
+    """A tiny model with head_dim 64 (the bf16 attention kernels take 64 and 128), Q4_1 blocks in
+    bfloat16 with bf16 dot products (PD_BLOCK_DOT=bf16): natively on AVX512-BF16, or through the
+    test builds that emulate the instructions (block kernels and attention)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.weights import quantize_float
+    from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
+    from tests.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "wide-llama", hidden=128, heads=2, kv_heads=1)
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                 attn_implementation=ATTN_IMPLEMENTATION).eval()
+    assert quantize_float(model, "Q4_1")["int4"] > 0
+    saved = BLOCK_DOT["dot"]
+    BLOCK_DOT["dot"] = "bf16"
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "emulated":
+            import engine.model.batch_invariant as engine_invariant
+            import engine.model.quant as engine_quant
+            from kernels import cpu
+            from kernels.cpu import quant
+
+            if not quant.available():
+                pytest.skip("no AVX2/FMA CPU for the block kernels")
+            for module in (engine_quant, engine_invariant):
+                mp.setattr(module, "_kernel", lambda: quant.load(emulate_bf16=True))
+            real_fused, real_attention = quant.load_fused, cpu.load
+            mp.setattr(quant, "load_fused", lambda emulate_bf16=True: real_fused(emulate_bf16=True))
+            mp.setattr(cpu, "load", lambda emulate_bf16=True: real_attention(emulate_bf16=True))
+        elif not bf16_dot_available(torch.bfloat16) or not _attention_build("native").has_bf16:
+            pytest.skip("this CPU has no AVX512-BF16 (the 'emulated' case runs the same path)")
+        try:
+            yield model
+        finally:
+            BLOCK_DOT["dot"] = saved
+
+
+def test_bf16_attention_in_the_engine_alone_beside_chunked_and_after_a_prefix_hit(wide_bf16_model, monkeypatch):
+    """The engine with bf16 dot products in its linears takes them for attention too, and a
+    request's tokens and logits bytes stay those of the request alone: beside decodes and long
+    prefills, prefilled in chunks that cut tiles, blocks and 128-key spans, after a prefix hit."""
+    model = wide_bf16_model
+    vocab = model.config.vocab_size
+    engine = make_engine(model)
+    assert engine.runner.attention.bf16 and engine.runner.attention.__name__.endswith("+bf16")
+    target, prompt = prompts([13, 300], vocab, seed=21)
+    alone = run(engine, [(0, "g", target, GREEDY)], monkeypatch)["g"]
+    others = prompts([3, 8, 40], vocab, seed=22)
+    reqs = [(0, "g", target, GREEDY), (2, "long", prompt, GREEDY)]
+    reqs += [(i, f"d{i}", p, SamplingParams(max_tokens=5, temperature=0.0)) for i, p in enumerate(others)]
+    assert run(make_engine(model), reqs, monkeypatch)["g"] == alone
+    whole = run(make_engine(model), [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
+    for chunk in (65, 129):
+        assert run(make_engine(model, max_prefill_chunk_tokens=chunk), [(0, "l", prompt, GREEDY)],
+                   monkeypatch)["l"] == whole, chunk
+    cached = make_engine(model, enable_prefix_caching=True)
+    run(cached, [(0, "warm", prompt[:150], GREEDY)], monkeypatch)
+    hit = run(cached, [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
+    assert hit.cached > 0 and hit == whole
