@@ -18,7 +18,8 @@ BENCHMARKS = {"pipeline": "bench_pipeline", "bus": "bench_bus", "engine": "bench
               "invariant": "experiments.bench_invariant", "block-kernel": "experiments.bench_block_kernel",
               "decode-paths": "experiments.bench_decode_paths", "grammar": "experiments.bench_grammar",
               "spec": "bench_spec", "cores": "bench_cores", "longmix": "bench_longmix",
-              "amx-probe": "experiments.amx_probe", "hop": "experiments.bench_hop"}
+              "amx-probe": "experiments.amx_probe", "hop": "experiments.bench_hop",
+              "attention": "experiments.bench_attention"}
 
 
 def bench(argv: list[str]) -> int:

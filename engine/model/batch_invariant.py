@@ -199,9 +199,9 @@ def attention_bf16(runner, ext) -> bool:
     64 or 128 and an extension built with them (``ext.has_bf16``).
 
     Measured on AMD EPYC Zen 4 (AVX512-BF16, no AMX), one 512-token chunk at the end of a
-    2,048-token context, SmolLM2's 9 heads over 3 KV heads, 1 / 2 threads: 1.83x / 1.76x the float32
-    kernel; one decode query 1.57x / 1.45x (docs/decisions.md, "Attention as bf16 dot products").
-    """
+    2,048-token context, SmolLM2's 9 heads over 3 KV heads, 1 / 2 threads: 2.05x / 1.77x the float32
+    kernel; one decode query 1.49x / 1.45x (``pdserve bench attention``; docs/decisions.md,
+    "Attention as bf16 dot products where the linears use them")."""
     cache = runner.kv_cache
     return (getattr(runner, "block_dot", "float32") == "bf16" and cache.dtype == torch.bfloat16
             and bool(getattr(ext, "has_bf16", False)) and cache.head_dim in (64, 128))

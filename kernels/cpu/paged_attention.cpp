@@ -1,5 +1,6 @@
 // Paged decode attention for CPUs: one query token per sequence over its KV blocks, read in
-// place from the paged cache (no gathered copy), fp32 math over fp32 or bf16 KV.
+// place from the paged cache (no gathered copy), fp32 math over fp32 or bf16 KV; with bf16=true
+// (a bf16 cache on an AVX512-BF16 build) q.k and p.v as bf16 dot products instead (bfa below).
 //
 // Same contract as kernels/attention.py::paged_decode_attention:
 //   query        [batch, num_heads, head_dim]                 float32
