@@ -320,12 +320,18 @@ def test_long_prompt_chunked_at_tile_and_block_edges(bf16_model, monkeypatch):
     tokens and the same logits bytes."""
     model, _ = bf16_model
     prompt = prompts([150], model.config.vocab_size, seed=11)[0]
+    assert_chunked_and_prefix_hit_equal_whole(model, prompt, (65, 97), 70, monkeypatch)
+
+
+def assert_chunked_and_prefix_hit_equal_whole(model, prompt, chunks, warm, monkeypatch) -> None:
+    """``prompt`` prefilled whole, capped at each of ``chunks`` tokens a chunk, and after a warm-up
+    request of its first ``warm`` tokens (a prefix hit): the same tokens and logits bytes."""
     whole = run(make_engine(model), [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
-    for chunk in (65, 97):
+    for chunk in chunks:
         assert run(make_engine(model, max_prefill_chunk_tokens=chunk), [(0, "l", prompt, GREEDY)],
                    monkeypatch)["l"] == whole, chunk
     engine = make_engine(model, enable_prefix_caching=True)
-    run(engine, [(0, "warm", prompt[:70], GREEDY)], monkeypatch)
+    run(engine, [(0, "warm", prompt[:warm], GREEDY)], monkeypatch)
     hit = run(engine, [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
     assert hit.cached > 0 and hit == whole
 
@@ -487,11 +493,4 @@ def test_bf16_attention_in_the_engine_alone_beside_chunked_and_after_a_prefix_hi
     reqs = [(0, "g", target, GREEDY), (2, "long", prompt, GREEDY)]
     reqs += [(i, f"d{i}", p, SamplingParams(max_tokens=5, temperature=0.0)) for i, p in enumerate(others)]
     assert run(make_engine(model), reqs, monkeypatch)["g"] == alone
-    whole = run(make_engine(model), [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
-    for chunk in (65, 129):
-        assert run(make_engine(model, max_prefill_chunk_tokens=chunk), [(0, "l", prompt, GREEDY)],
-                   monkeypatch)["l"] == whole, chunk
-    cached = make_engine(model, enable_prefix_caching=True)
-    run(cached, [(0, "warm", prompt[:150], GREEDY)], monkeypatch)
-    hit = run(cached, [(0, "l", prompt, GREEDY)], monkeypatch)["l"]
-    assert hit.cached > 0 and hit == whole
+    assert_chunked_and_prefix_hit_equal_whole(model, prompt, (65, 129), 150, monkeypatch)
