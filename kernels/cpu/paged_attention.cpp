@@ -480,6 +480,9 @@ namespace bfa {
 using pdq::vacc;
 using pdq::vbh;
 
+// one bf16 into a float buffer's bytes (memcpy: the buffer's objects are floats)
+inline void put(uint16_t* p, uint16_t h) { std::memcpy(p, &h, sizeof(h)); }
+
 inline vbh bset1(uint32_t w) {  // one pair (32 bits) in every lane
 #if defined(PDQ_BF16_EMULATE)
   vbh v;
@@ -529,7 +532,8 @@ inline void max_first(float* m, vacc v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) m[i] = std::max(m[i], v.f[i]);
 #else
   const __m512 a = _mm512_loadu_ps(m);
-  _mm512_storeu_ps(m, _mm512_mask_max_ps(a, static_cast<__mmask16>((1u << n) - 1u), a, v));
+  // max(v, a) returns a when v is NaN, as std::max(a, v) does: a NaN score leaves the maximum alone
+  _mm512_storeu_ps(m, _mm512_mask_max_ps(a, static_cast<__mmask16>((1u << n) - 1u), v, a));
 #endif
 }
 inline float max_all(const float* m) {  // the largest of 16 lanes (exact in any order)
@@ -568,17 +572,18 @@ inline float exp_round(float* x, int64_t n, float m) {
     }
     for (int64_t i = 0; i < nn; ++i) {
       acc.f[i] = acc.f[i] + e[i];
-      y[j + i] = pdq::bf16_rne(e[i]);
+      put(y + j + i, pdq::bf16_rne(e[i]));
     }
   }
-  y[n] = 0;
+  put(y + n, 0);
   return pdq::bsum(acc);
 #else
   __m512 acc = _mm512_setzero_ps();
   const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.0f), l2e = _mm512_set1_ps(kLog2e);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 mask = static_cast<__mmask16>(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);
-    const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + j), mv), lo);
+    // max(lo, d) returns d when d is NaN, as std::max(d, lo) does: a NaN score stays NaN
+    const __m512 v = _mm512_max_ps(lo, _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + j), mv));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, l2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_fmsub_ps(v, l2e, k);
     __m512 p = _mm512_set1_ps(kC[0]);
@@ -587,7 +592,7 @@ inline float exp_round(float* x, int64_t n, float m) {
     acc = _mm512_add_ps(acc, e);
     _mm256_mask_storeu_epi16(y + j, mask, (__m256i)_mm512_cvtneps_pbh(e));
   }
-  y[n] = 0;
+  put(y + n, 0);
   return _mm512_reduce_add_ps(acc);
 #endif
 }
@@ -612,9 +617,9 @@ inline uint16_t* round_row(float* x, int64_t n) {
   for (; j < n; ++j) {
     float v;
     std::memcpy(&v, x + j, sizeof(v));
-    y[j] = pdq::bf16_rne(v);
+    put(y + j, pdq::bf16_rne(v));
   }
-  y[n] = 0;
+  put(y + n, 0);
   return y;
 }
 
@@ -777,6 +782,7 @@ struct Tile {
   std::vector<uint16_t> qw;
   std::vector<uint32_t> kt, vp;
   const uint16_t* rows_[kSpan];
+  uint32_t last[DC];  // one pair of value_pairs with the second key's half zeroed
 
   //   q: the T x group query rows (float32, unscaled), head h of query r at q + r * q_row + h * D
   //   k, v: the caches (bf16 as uint16) at this KV head's first element; block_stride, row
@@ -828,8 +834,16 @@ struct Tile {
       value_pairs(rows_at(v, t0, len), len, D, vp.data());
       for (int64_t r = std::max<int64_t>(0, t0 - first + 1); r < T; ++r) {
         const int64_t nr = std::min(len, first + r - t0);
-        weigh_heads<DC>(p16 + 2 * r * group * max_len + t0, 2 * max_len, group, (nr + 1) / 2, vp.data(),
-                        acc.data() + r * group * D, D);
+        const uint16_t* pr = p16 + 2 * r * group * max_len + t0;
+        if (nr % 2 == 0 || nr == len) {  // whole pairs, or the span's own zero partner (value_pairs)
+          weigh_heads<DC>(pr, 2 * max_len, group, (nr + 1) / 2, vp.data(), acc.data() + r * group * D, D);
+          continue;
+        }
+        // a query that ends at an odd key inside the span: its last key's partner is a later
+        // token, whose V this query must not read (as decode does not: 0 * Inf would be NaN)
+        weigh_heads<DC>(pr, 2 * max_len, group, nr / 2, vp.data(), acc.data() + r * group * D, D);
+        for (int64_t d = 0; d < D; ++d) last[d] = vp[nr / 2 * D + d] & 0xFFFFu;
+        weigh_heads<DC>(pr + (nr - 1), 2 * max_len, group, 1, last, acc.data() + r * group * D, D);
       }
     }
     for (int64_t r = 0; r < T; ++r)
@@ -944,6 +958,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool bf16) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(!bf16 || bf16_supported(query, k_cache),
               "bf16 dot products need a build with them (has_bf16), a bf16 cache and head_dim 64 or 128");
@@ -976,6 +991,7 @@ torch::Tensor paged_prefill_attention_tiled(torch::Tensor query, torch::Tensor k
                                             int64_t tile, bool bf16) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(context_len >= query.size(0), "context_len must cover the queries");
   TORCH_CHECK(!bf16 || bf16_supported(query, k_cache),

@@ -436,6 +436,43 @@ def test_bf16_attention_instructions_give_the_bits_of_their_scalar_model():
         q = torch.randn(n, heads, head_dim, generator=gen) * 4
         outs = [ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, 0, True) for ext in (native, emulated)]
         assert torch.equal(*outs)
+        # denormal keys (read as zero) and values whose products and sums fall below float32's
+        # normal range (flushed): the instruction's edges, modelled in the emulated build
+        k[0, :4] = (k[0, :4].float() * 1e-39).bfloat16()
+        v[1:3] = (v[1:3].float() * 2.0 ** -120).bfloat16()
+        outs = [ext.paged_prefill_attention_tiled(q * 8, k, v, table, context_len, 0.125, 0, True)
+                for ext in (native, emulated)]
+        assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("kind", ["native", pytest.param("emulated", marks=pytest.mark.slow)])
+def test_bf16_attention_non_finite_values_stay_where_they_belong(kind):
+    """An Inf in a later token's V does not reach the earlier queries of a prefill tile (decode
+    never reads it: the partner of a query's odd last key is read as zero), and an Inf key gives
+    NaN where float32 does (a head scoring it +Inf) instead of being clamped into a finite answer."""
+    ext = _attention_build(kind)
+    gen = torch.Generator().manual_seed(3)
+    for context_len in (4, 7, 131):
+        k = torch.randn(9, 16, 1, 64, generator=gen).bfloat16()
+        v = torch.randn(9, 16, 1, 64, generator=gen).bfloat16()
+        table = torch.arange(-(-context_len // 16))
+        q = torch.randn(context_len, 2, 64, generator=gen)
+        v[(context_len - 1) // 16, (context_len - 1) % 16] = float("inf")  # the last token's V
+        lens = torch.arange(1, context_len + 1)
+        decoded = ext.paged_decode_attention(q, k, v, table.unsqueeze(0).expand(context_len, -1).contiguous(), lens,
+                                             0.125, True)
+        assert torch.isfinite(decoded[:-1]).all()
+        for tile in (0, 2, context_len):
+            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile, True)
+            assert torch.equal(tiled[:-1], decoded[:-1]), (context_len, tile)
+    k, v = torch.randn(1, 16, 1, 64, generator=gen).bfloat16(), torch.randn(1, 16, 1, 64, generator=gen).bfloat16()
+    k[0, 2, 0, 0] = float("inf")
+    q, table = torch.randn(1, 2, 64, generator=gen), torch.zeros(1, 1, dtype=torch.long)
+    q[0, 0, 0], q[0, 1, 0] = 1.0, -1.0  # head 0 scores the key +Inf (NaN after the max), head 1 -Inf (weight 0)
+    bf16, f32 = (ext.paged_decode_attention(q, k, v, table, torch.tensor([5]), 0.125, b) for b in (True, False))
+    assert bf16[0, 0].isnan().all() and torch.isfinite(bf16[0, 1]).all()
+    assert torch.equal(bf16.isnan(), f32.isnan())
+    assert torch.isfinite(ext.paged_decode_attention(q, k, v, table, torch.tensor([2]), 0.125, True)).all()
 
 
 @pytest.fixture(scope="module", params=["native", pytest.param("emulated", marks=[pytest.mark.slow,
