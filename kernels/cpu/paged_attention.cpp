@@ -463,10 +463,10 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
 //      elements 2w, 2w + 1), chain c taking the words w = c, c + 4, c + 8, ... in order, each
 //      step one `vdpbf16ps` (lane = key: the exact products of elements 2w + 1 then 2w added to
 //      the lane, float32 rounding per add), then (c0 + c1) + (c2 + c3). Keys sit in the 16 lanes,
-//      so no horizontal sum is needed: each block's K rows are transposed to words x keys once
+//      so no horizontal sum is needed: each span of 128 keys is transposed to words x keys once
 //      and read by every query head (and, in prefill, every query of the tile) that uses it.
-//   3. the max and the softmax's exp / sum are the float32 kernel's (exp_sub_sum); the weights p
-//      are then rounded to bf16.
+//   3. the max (exact in any order) and the softmax's exp / sum in float32 (exp_round: the
+//      Cephes polynomial of exp_poly, every rounding explicit); the weights p then rounded to bf16.
 //   4. p.v: one accumulator chain per output element over the context's pairs of keys (2k, 2k + 1)
 //      in order (pairs by position in the context, whatever the block size); a step is one
 //      `vdpbf16ps` adding p[2k+1] v[2k+1] then p[2k] v[2k]. The partner of a query's last key,
@@ -483,6 +483,14 @@ using pdq::vbh;
 // one bf16 into a float buffer's bytes (memcpy: the buffer's objects are floats)
 inline void put(uint16_t* p, uint16_t h) { std::memcpy(p, &h, sizeof(h)); }
 
+inline vbh first_of_pairs(vbh v) {  // each lane's second element (2i + 1) set to zero
+#if defined(PDQ_BF16_EMULATE)
+  for (int i = 0; i < 16; ++i) v.e[2 * i + 1] = 0;
+  return v;
+#else
+  return (vbh)_mm512_and_si512((__m512i)v, _mm512_set1_epi32(0xFFFF));
+#endif
+}
 inline vbh bset1(uint32_t w) {  // one pair (32 bits) in every lane
 #if defined(PDQ_BF16_EMULATE)
   vbh v;
@@ -603,24 +611,14 @@ inline uint32_t word(const uint16_t* p) {  // elements p[0] (low half) and p[1]
   return w;
 }
 
-// x[0 .. n) (float32) to bf16 in place (y = x's memory as uint16: y[j] overwrites bytes of x that
-// were read already), then y[n] = 0 (the pad partner of an odd last key). Returns y.
-inline uint16_t* round_row(float* x, int64_t n) {
-  uint16_t* y = reinterpret_cast<uint16_t*>(x);
+// y[0 .. n) = x[0 .. n) rounded to bf16 (vcvtneps2bf16; the emulated build: bf16_rne).
+inline void round_bf16(const float* x, int64_t n, uint16_t* y) {
   int64_t j = 0;
 #if !defined(PDQ_BF16_EMULATE)
-  for (; j + 16 <= n; j += 16) {
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), (__m256i)h);
-  }
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)));
 #endif
-  for (; j < n; ++j) {
-    float v;
-    std::memcpy(&v, x + j, sizeof(v));
-    put(y + j, pdq::bf16_rne(v));
-  }
-  put(y + n, 0);
-  return y;
+  for (; j < n; ++j) y[j] = pdq::bf16_rne(x[j]);
 }
 
 // q (D floats) times s, rounded to bf16: D / 2 words.
@@ -629,8 +627,7 @@ inline void round_query(const float* q, float s, int64_t D, uint16_t* out) {
   for (int64_t i0 = 0; i0 < D; i0 += 256) {
     const int64_t m = std::min<int64_t>(256, D - i0);
     for (int64_t i = 0; i < m; ++i) tmp[i] = q[i0 + i] * s;  // the float32 kernel's scaling
-    round_row(tmp, m);
-    std::memcpy(out + i0, tmp, static_cast<size_t>(m) * sizeof(uint16_t));
+    round_bf16(tmp, m, out + i0);
   }
 }
 
@@ -731,13 +728,16 @@ inline void score_heads(const uint16_t* q, int64_t qs, int64_t nh, const uint32_
   for (; h < nh; ++h) score_keys<W, 1>(q + h * qs, qs, kt, nkeys, out + h * os, os, mx + 16 * h);
 }
 
-// acc_h[0 .. D) += sum over the npairs pairs k of p_h[2k] v[2k] + p_h[2k+1] v[2k+1] for NH query
-// heads (item 4): head h's bf16 weights at p + h * ps, its accumulators at acc + h * as; vp
-// value_pairs of consecutive pairs. The heads share each load of vp, and their NH x D / 16
-// chains are independent (one chain alone would wait on the instruction's latency).
+// acc_h[0 .. D) += sum over keys j < nkeys of p_h[j] v[j], by pairs (2k, 2k + 1), for NH query
+// heads (item 4): head h's bf16 weights at p + h * ps (p_h[nkeys] = 0 when nkeys is odd), its
+// accumulators at acc + h * as; vp value_pairs of consecutive pairs. When nkeys is odd the last
+// pair's second key is read as zeros: it may be a later token that this query must not see (as a
+// decode query never reads it: 0 x Inf would be NaN). The heads share each load of vp, and their
+// NH x D / 16 chains are independent (one chain alone would wait on the instruction's latency).
 template <int64_t DC, int NH>
-inline void weigh_values(const uint16_t* p, int64_t ps, int64_t npairs, const uint32_t* vp, float* acc, int64_t as) {
+inline void weigh_values(const uint16_t* p, int64_t ps, int64_t nkeys, const uint32_t* vp, float* acc, int64_t as) {
   constexpr int64_t C = DC / 16;
+  const int64_t npairs = (nkeys + 1) / 2;
   vacc a[NH][C];
   for (int h = 0; h < NH; ++h)
     for (int64_t c = 0; c < C; ++c) a[h][c] = load(acc + h * as + 16 * c);
@@ -746,7 +746,8 @@ inline void weigh_values(const uint16_t* p, int64_t ps, int64_t npairs, const ui
     for (int h = 0; h < NH; ++h) pk[h] = bset1(word(p + h * ps + 2 * k));
 #pragma GCC unroll 8
     for (int64_t c = 0; c < C; ++c) {
-      const vbh v = pdq::bload(reinterpret_cast<const uint16_t*>(vp + k * DC + 16 * c));
+      vbh v = pdq::bload(reinterpret_cast<const uint16_t*>(vp + k * DC + 16 * c));
+      if (2 * k + 1 == nkeys) v = first_of_pairs(v);
       for (int h = 0; h < NH; ++h) a[h][c] = pdq::bdot(a[h][c], pk[h], v);
     }
   }
@@ -757,13 +758,13 @@ inline void weigh_values(const uint16_t* p, int64_t ps, int64_t npairs, const ui
 // weigh_values for any number of heads (three at a time; two for head_dim 128, whose 8 chains a
 // head fill the registers sooner)
 template <int64_t DC>
-inline void weigh_heads(const uint16_t* p, int64_t ps, int64_t nh, int64_t npairs, const uint32_t* vp, float* acc,
+inline void weigh_heads(const uint16_t* p, int64_t ps, int64_t nh, int64_t nkeys, const uint32_t* vp, float* acc,
                         int64_t as) {
   int64_t h = 0;
   if constexpr (DC <= 64)
-    for (; h + 3 <= nh; h += 3) weigh_values<DC, 3>(p + h * ps, ps, npairs, vp, acc + h * as, as);
-  for (; h + 2 <= nh; h += 2) weigh_values<DC, 2>(p + h * ps, ps, npairs, vp, acc + h * as, as);
-  for (; h < nh; ++h) weigh_values<DC, 1>(p + h * ps, ps, npairs, vp, acc + h * as, as);
+    for (; h + 3 <= nh; h += 3) weigh_values<DC, 3>(p + h * ps, ps, nkeys, vp, acc + h * as, as);
+  for (; h + 2 <= nh; h += 2) weigh_values<DC, 2>(p + h * ps, ps, nkeys, vp, acc + h * as, as);
+  for (; h < nh; ++h) weigh_values<DC, 1>(p + h * ps, ps, nkeys, vp, acc + h * as, as);
 }
 
 // Keys whose K (then V) one pass lays out for the tile's queries (key_words, value_pairs): the
@@ -782,7 +783,6 @@ struct Tile {
   std::vector<uint16_t> qw;
   std::vector<uint32_t> kt, vp;
   const uint16_t* rows_[kSpan];
-  uint32_t last[DC];  // one pair of value_pairs with the second key's half zeroed
 
   //   q: the T x group query rows (float32, unscaled), head h of query r at q + r * q_row + h * D
   //   k, v: the caches (bf16 as uint16) at this KV head's first element; block_stride, row
@@ -834,16 +834,8 @@ struct Tile {
       value_pairs(rows_at(v, t0, len), len, D, vp.data());
       for (int64_t r = std::max<int64_t>(0, t0 - first + 1); r < T; ++r) {
         const int64_t nr = std::min(len, first + r - t0);
-        const uint16_t* pr = p16 + 2 * r * group * max_len + t0;
-        if (nr % 2 == 0 || nr == len) {  // whole pairs, or the span's own zero partner (value_pairs)
-          weigh_heads<DC>(pr, 2 * max_len, group, (nr + 1) / 2, vp.data(), acc.data() + r * group * D, D);
-          continue;
-        }
-        // a query that ends at an odd key inside the span: its last key's partner is a later
-        // token, whose V this query must not read (as decode does not: 0 * Inf would be NaN)
-        weigh_heads<DC>(pr, 2 * max_len, group, nr / 2, vp.data(), acc.data() + r * group * D, D);
-        for (int64_t d = 0; d < D; ++d) last[d] = vp[nr / 2 * D + d] & 0xFFFFu;
-        weigh_heads<DC>(pr + (nr - 1), 2 * max_len, group, 1, last, acc.data() + r * group * D, D);
+        weigh_heads<DC>(p16 + 2 * r * group * max_len + t0, 2 * max_len, group, nr, vp.data(),
+                        acc.data() + r * group * D, D);
       }
     }
     for (int64_t r = 0; r < T; ++r)

@@ -58,20 +58,29 @@ def bf16_model(request, tiny_model_dir):
     BLOCK_DOT["dot"] = "bf16" if emulated else dot
     with pytest.MonkeyPatch.context() as mp:
         if emulated:
-            import engine.model.batch_invariant as engine_invariant
-            import engine.model.quant as engine_quant
-            from kernels.cpu import quant
-
-            if not quant.available():
-                pytest.skip("no AVX2/FMA CPU for the block kernels")
-            for module in (engine_quant, engine_invariant):  # both call the block kernel's build
-                mp.setattr(module, "_kernel", lambda: quant.load(emulate_bf16=True))
-            real_fused = quant.load_fused
-            mp.setattr(quant, "load_fused", lambda emulate_bf16=True: real_fused(emulate_bf16=True))
+            use_emulated_bf16_builds(mp)
             assert bf16_dot_available(torch.bfloat16)
         elif BLOCK_DOT["dot"] == "bf16" and not bf16_dot_available(torch.bfloat16):
             pytest.skip("this CPU has no AVX512-BF16 (the 'bf16-emulated' case runs the same path)")
         yield model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def use_emulated_bf16_builds(mp: pytest.MonkeyPatch, attention: bool = False) -> None:
+    """Route the engine's block kernels (and with ``attention``, the attention kernels) to the test
+    builds that emulate the AVX512-BF16 instructions in scalar code; skips without AVX2/FMA."""
+    import engine.model.batch_invariant as engine_invariant
+    import engine.model.quant as engine_quant
+    from kernels import cpu
+    from kernels.cpu import quant
+
+    if not quant.available():
+        pytest.skip("no AVX2/FMA CPU for the block kernels")
+    for module in (engine_quant, engine_invariant):  # both call the block kernel's build
+        mp.setattr(module, "_kernel", lambda: quant.load(emulate_bf16=True))
+    real_fused, real_attention = quant.load_fused, cpu.load
+    mp.setattr(quant, "load_fused", lambda emulate_bf16=True: real_fused(emulate_bf16=True))
+    if attention:
+        mp.setattr(cpu, "load", lambda emulate_bf16=True: real_attention(emulate_bf16=True))
 
 
 def make_engine(model, invariant=True, **overrides) -> LLMEngine:
@@ -496,18 +505,7 @@ def wide_bf16_model(request, tmp_path_factory):
     BLOCK_DOT["dot"] = "bf16"
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "emulated":
-            import engine.model.batch_invariant as engine_invariant
-            import engine.model.quant as engine_quant
-            from kernels import cpu
-            from kernels.cpu import quant
-
-            if not quant.available():
-                pytest.skip("no AVX2/FMA CPU for the block kernels")
-            for module in (engine_quant, engine_invariant):
-                mp.setattr(module, "_kernel", lambda: quant.load(emulate_bf16=True))
-            real_fused, real_attention = quant.load_fused, cpu.load
-            mp.setattr(quant, "load_fused", lambda emulate_bf16=True: real_fused(emulate_bf16=True))
-            mp.setattr(cpu, "load", lambda emulate_bf16=True: real_attention(emulate_bf16=True))
+            use_emulated_bf16_builds(mp, attention=True)
         elif not bf16_dot_available(torch.bfloat16) or not _attention_build("native").has_bf16:
             pytest.skip("this CPU has no AVX512-BF16 (the 'emulated' case runs the same path)")
         try:
