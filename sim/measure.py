@@ -25,7 +25,7 @@ import time
 
 from shared.config import Settings
 from shared.messages import SamplingParams
-from sim.profile import Profile, monotone
+from sim.profile import Profile, monotone, smooth_prefill
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -259,7 +259,8 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     hop = asyncio.run(_bus_hop(settings, 20 if quick else 60)) if bus else 0.001
     say("profile: co-run slowdown ...")
     corun = _corun_slowdown(bench, min(8, max_batch)) if (os.cpu_count() or 1) > 1 else 1.0
-    prefill_s = monotone(prefill_s)
+    raw_prefill_s = [round(x, 6) for x in prefill_s]
+    prefill_s = smooth_prefill(lengths, monotone(prefill_s))
     decode_s = monotone(decode_s)
     return Profile(
         name=f"{platform.node()}-{settings.model or 'smollm2'}".replace("/", "_")[:60],
@@ -276,7 +277,9 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
         sources={"how": "pdserve profile (sim/measure.py): medians of LLMEngine.step, export_prompt_kv+"
                         "ShmKVStore.put, get+admit_with_kv, JetStream publish→pull, Detokenizer+message+SSE JSON",
                  "torch_threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "request_cpu_s": "tokenize + 4 bus hops' worth of CPU (gateway, tokenizer, router): an estimate"},
+                 "request_cpu_s": "tokenize + 4 bus hops' worth of CPU (gateway, tokenizer, router): an estimate",
+                 "prefill_s": "least-squares a + b n + c n^2 over the measured points (sim.profile.smooth_prefill)",
+                 "prefill_s_measured": raw_prefill_s},
     )
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from services.gateway.tenancy.waits import WaitAdmission
 from services.tokenizer.router import Router
 from shared.config import Settings
+from shared.hashing import num_reusable_blocks
 from shared.messages import Heartbeat
 from sim.metrics import SimResult, summarize
 from sim.profile import CostModel, Profile
@@ -265,12 +266,14 @@ class Simulation:
 
     def _route(self, now: float, req) -> None:
         remote = self.topo.mode == "disaggregated"
+        bs = self.p.block_size
+        hashes = req.block_hashes(bs)
         if self.topo.mode == "conditional":
             pre = [self._heartbeat(now, w) for w in self.prefill]
             dec = [self._heartbeat(now, w) for w in self.decode]
-            remote = self.router.decide(req.prompt_tokens, 0, pre, dec).target == "remote"
-        bs = self.p.block_size
-        seq = new_seq(req, bs, req.block_hashes(bs), prefill_only=remote)
+            remote = self.router.decide(req.prompt_tokens, self._staged_prefix_tokens(hashes, req.prompt_tokens),
+                                        pre, dec).target == "remote"
+        seq = new_seq(req, bs, hashes, prefill_only=remote)
         if remote:
             self.remote += 1
         self._offer(now, self.prefill if remote else self.decode, "new", seq)
@@ -291,7 +294,7 @@ class Simulation:
         if kind == "new":
             # the gateway's and tokenizer's CPU for this request, on the host it is served from
             w.host.add_cpu(now, self.p.request_cpu_s + self.cost.tokenize(seq.num_prompt_tokens))
-            self.push(now + self.hop, self._deliver, (w, "new", seq))
+            self.push(self._read_store_hits(now + self.hop, w, seq), self._deliver, (w, "new", seq))
         else:
             self._fetch_kv(now, w, seq)
 
@@ -379,6 +382,31 @@ class Simulation:
         seconds = self.store.put(len(new) * bs * bpt)
         self.kv_put_s += seconds
         self._store_job(now, self._server(src), seconds)
+
+    def _staged_prefix_tokens(self, hashes: list[bytes], num_tokens: int) -> int:
+        """The tokenizer's ``_staged_prefix_tokens``: leading prompt tokens whose blocks the
+        store holds (the conditional router's ``num_cached_tokens``)."""
+        usable = hashes[: num_reusable_blocks(num_tokens, self.p.block_size)]
+        run = next((i for i, h in enumerate(usable) if h not in self.staged), len(usable))
+        return run * self.p.block_size
+
+    def _read_store_hits(self, now: float, w: SimWorker, seq) -> float:
+        """Worker ``w`` took new prompt ``seq`` at ``now``: as ``ModelWorker.import_store_hits``,
+        its thread reads the leading run of reusable blocks that its prefix cache lacks and the
+        store holds (a job on the store's server; the engine imports them when it admits the
+        prompt). Returns when the prompt reaches the engine."""
+        if not self.staged or not w.bm.enable_prefix_caching:
+            return now
+        bs = self.p.block_size
+        usable = seq.block_hashes[: num_reusable_blocks(seq.num_prompt_tokens, bs)]
+        wanted = usable[leading_hits(w.bm, usable):]
+        run = next((i for i, h in enumerate(wanted) if h not in self.staged), len(wanted))
+        if run == 0:
+            return now
+        seq.store_hits, seq.kv_bytes = tuple(wanted[:run]), run * bs * self.p.kv_bytes_per_token
+        seconds = self.store.get(seq.kv_bytes)
+        self.kv_get_s += seconds
+        return self._store_job(now, ("get", self._server(w)), seconds)
 
     def hand_off(self, now: float, seq, src: SimWorker) -> None:
         """Prefill worker ``src`` computed ``seq``'s prompt at ``now``: its staging thread puts

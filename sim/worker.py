@@ -29,7 +29,7 @@ _SAMPLING = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
 class SimSeq(Sequence):
     """A :class:`Sequence` with the simulator's per-request bookkeeping."""
 
-    __slots__ = ("req", "last_t", "max_out", "kv_bytes")
+    __slots__ = ("req", "last_t", "max_out", "kv_bytes", "store_hits")
 
     def update_block_hashes(self) -> None:
         """Name blocks past the trace's prompt hashes (output blocks, all placeholder tokens) by
@@ -48,6 +48,7 @@ def new_seq(req, block_size: int, hashes: list[bytes], prefill_only: bool) -> Si
     seq = SimSeq(str(req.idx), [0] * req.prompt_tokens, req.prompt_tokens, _SAMPLING, block_size,
                  block_hashes=hashes, stop_after_prefill=prefill_only, arrival_at=req.arrival_s)
     seq.req, seq.last_t, seq.max_out, seq.kv_bytes = req, -1.0, req.max_tokens, 0
+    seq.store_hits = ()  # a new prompt's leading blocks read from the KV store before admission
     return seq
 
 
@@ -146,6 +147,8 @@ class SimWorker:
     def _take_inbox(self) -> None:
         for kind, seq in self.inbox:
             if kind == "new":
+                if seq.store_hits:
+                    self._import_store_hits(seq)
                 self.sched.add(seq)
                 continue
             # admit_with_kv on the engine thread: full blocks this worker's prefix cache holds
@@ -165,6 +168,23 @@ class SimWorker:
             else:  # no room to load: recompute (the engine's fallback)
                 self.sched.add(seq)
         self.inbox.clear()
+
+    def _import_store_hits(self, seq: SimSeq) -> None:
+        """``ModelWorker.import_store_hits``: the leading blocks of a new prompt that another
+        worker staged (read in a thread: ``seq.kv_bytes``) become free cached blocks of this
+        worker's prefix cache on the engine thread, so the prompt computes only the rest."""
+        imp = self.cost.kv_import(seq.kv_bytes)
+        self.extra_s += imp
+        self.import_s += imp
+        for h in seq.store_hits:
+            if self.bm.lookup(h) is not None:
+                continue
+            if self.bm.num_free_blocks == 0:
+                break
+            block = self.bm.allocate_block()
+            self.bm.register_block(block, h)
+            self.bm.release(block)
+        seq.store_hits, seq.kv_bytes = (), 0
 
     # --- steps ------------------------------------------------------------------------
     def start(self, now: float) -> None:

@@ -362,3 +362,22 @@ def test_a_whole_prompt_counts_its_attention_once():
     assert cost.prefill_whole(2048) == pytest.approx(0.8)
     # past the last point the linear extrapolation misses the quadratic growth beyond its tangent
     assert cost.prefill_whole(4096) == pytest.approx(cost.prefill(4096) + 1e-7 * 2048**2 / 2)
+
+
+def test_a_prefill_table_is_smoothed_to_constant_linear_and_quadratic_terms():
+    """``smooth_prefill``: a table that is exactly a + b n + c n² comes back as it was; one point
+    measured a quarter high (the quick profile's 128 tokens) is pulled back near the curve its
+    neighbours trace, and the others move little."""
+    from sim.profile import smooth_prefill
+
+    tokens = [1, 16, 64, 128, 256, 512, 1024, 2048]
+    exact = [0.01 + 5e-3 * n + 1.2e-6 * n * n for n in tokens]
+    assert smooth_prefill(tokens, exact) == pytest.approx(exact, rel=1e-9)
+    noisy = list(exact)
+    noisy[3] *= 1.25
+    out = smooth_prefill(tokens, noisy)
+    assert abs(out[3] / exact[3] - 1) < 0.1
+    assert all(abs(o / e - 1) < 0.06 for i, (o, e) in enumerate(zip(out, exact)) if i != 3)
+    assert smooth_prefill(tokens[:3], noisy[:3]) == noisy[:3]  # too few points to fit
+    with pytest.raises(ValueError):
+        smooth_prefill(tokens, noisy[:-1])

@@ -129,3 +129,36 @@ def test_simulate_command_takes_the_store_and_per_role_settings(tmp_path, capsys
     assert run.main(common + ["--role", "decode.chunk=3"]) == 2
     assert "unknown engine setting 'chunk'" in capsys.readouterr().out
     assert run.main(common + ["--role", "middle.max_num_seqs=3"]) == 2
+
+
+def test_the_conditional_router_counts_staged_blocks_and_local_prefill_reads_them():
+    """As the tokenizer does (``_staged_prefix_tokens``), the simulated router counts a prompt's
+    leading blocks in the store: a question after a 1,024-token prefix another prompt staged
+    has 64 tokens to compute, under the local limit, so it is prefilled on the decode worker,
+    which reads the prefix from the store first (``import_store_hits``) and computes only the
+    question."""
+    per_byte = 1e-6  # reading a 1,024-token prefix takes about 1 s: remote would move all 1,088
+    p = _profile(kv_stores={"shm": {**SLOW, "put_s_per_byte": 1e-9, "get_s_per_byte": per_byte}})
+    a = trace.SimRequest(0, 0.0, 1024 + 64, 3, hash_ids=tuple(range(17)), segment_tokens=64)
+    b = trace.SimRequest(1, 5.0, 1024 + 64, 3, hash_ids=tuple(range(16)) + (99,), segment_tokens=64)
+    topo = Topology(mode="conditional", prefill=1, decode=2, local_max_tokens=128, kv_store="shm")
+    sim = Simulation(topo, p)
+    decisions = []
+    decide = sim.router.decide
+    sim.router.decide = lambda n, cached, pre, dec: decisions.append((n, cached)) or decide(n, cached, pre, dec)
+    r = sim.run([a, b])
+    assert decisions == [(1088, 0), (1088, 1024)]
+    assert r.remote == 1  # a went to the prefill worker, b stayed local
+    # a's hand-off read all of a; b's worker read the 1,024-token prefix unless it is the
+    # worker that decoded a (its prefix cache holds it)
+    read_b = r.kv["get_s"] - 1088 * p.kv_bytes_per_token * per_byte
+    prefix = 1024 * p.kv_bytes_per_token * per_byte
+    assert read_b == pytest.approx(prefix, rel=1e-6) or read_b == pytest.approx(0.0, abs=1e-9)
+    # b computed its question only
+    c = CostModel(p)
+    assert r.first[1] - b.arrival_s < read_b + c.kv_import(1024 * p.kv_bytes_per_token) + c.prefill(64) \
+        + c.ctx_attn * 64 * 1024 + 0.05
+    assert r.first[1] - b.arrival_s - read_b < c.prefill(1088)
+    # without the store's blocks counted (another prompt's prefix), b's 1,088 tokens go remote
+    other = trace.SimRequest(1, 5.0, 1024 + 64, 3, hash_ids=tuple(range(100, 117)), segment_tokens=64)
+    assert Simulation(topo, p).run([a, other]).remote == 2
