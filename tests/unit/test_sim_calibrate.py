@@ -74,7 +74,8 @@ def test_fit_recovers_the_machine(tmp_path):
 
 def test_fit_by_point_straightens_a_bent_profile(tmp_path):
     """Run steps at two batch sizes whose true costs differ from the profile by different
-    factors: each table point gets its own, points between are interpolated."""
+    factors: each table point gets its own, points between are interpolated, points beyond
+    take the run's overall (time-weighted) ratio, not the nearest point's."""
     prof = _profile()  # decode_batch [1, 8, 32, 64]
     cost = CostModel(prof)
     steps, t = [], 10.0
@@ -85,7 +86,10 @@ def test_fit_by_point_straightens_a_bent_profile(tmp_path):
             t += dt + 0.001
     (tmp_path / "w.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
     f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path))
-    assert f["decode_by_batch"] == pytest.approx([0.5, 1.25, 2.0, 2.0], rel=0.01)
+    overall = (0.5 * cost.decode_step(1, 0) + 2.0 * cost.decode_step(32, 0)) / (
+        cost.decode_step(1, 0) + cost.decode_step(32, 0))
+    assert f["decode"] == pytest.approx(overall, rel=0.01)
+    assert f["decode_by_batch"] == pytest.approx([0.5, 1.25, 2.0, overall], rel=0.01)
 
 
 def test_engine_step_record_describes_the_step():

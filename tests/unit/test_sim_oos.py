@@ -116,9 +116,25 @@ def test_noise_floor_and_resolved_ranking():
         assert res["itl"]["resolved"] == 0 and res["itl"]["right"]  # nothing to get wrong
     rows = sim_oos.rows(measured, good, "aggregated|mix|1|0")
     ranks = sim_oos.ranking(measured, good, "aggregated|mix|1|0", tie=0.05)
-    text = sim_oos.report(rows, ranks, 0.15, measured, good, dev_repeats=(0,))
+    text = sim_oos.report(rows, ranks, 0.15, measured, good, dev_repeats=(0,), fit_key="aggregated|mix|1|0")
     assert "held out — repeats other than 0" in text and "noise floor" in text
     assert "1 of 2 pairs unresolved" in text
+    assert "against each cell's typical value" in text
+
+
+def test_cell_agreement_scores_the_median_of_the_repeats_and_leaves_the_fitted_cell_out():
+    measured = {
+        "aggregated|mix|1|0": _summary(1.0, 0.010), "aggregated|mix|1|1": _summary(1.1, 0.012),
+        "aggregated|mix|1|2": _summary(1.5, 0.011),
+        "disaggregated|mix|1|0": _summary(2.0, 0.011), "disaggregated|mix|1|1": _summary(2.1, 0.0105),
+        "disaggregated|mix|1|2": _summary(2.2, 0.013),
+    }
+    # aggregated's medians: TTFT 1.1 s, ITL 11 ms; the prediction 1.2 s (9 % off) and 14 ms (27 % off)
+    pred = {k: _summary(1.2, 0.014) for k in measured}
+    assert sim_oos.cell_agreement(measured, pred, "disaggregated|mix|1|0", 0.15) == (2, 4)
+    # the fitted run's cell is not scored; a cell of one repeat neither
+    assert sim_oos.cell_agreement(measured, pred, "aggregated|mix|1|2", 0.15) == (0, 4)
+    assert sim_oos.cell_agreement({"aggregated|mix|1|0": _summary(1.0, 0.01)}, pred, "x|y|1|0", 0.15) == (0, 0)
 
 
 def test_pipeline_is_fitted_on_the_runs_unqueued_short_requests():
