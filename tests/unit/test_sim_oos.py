@@ -94,15 +94,19 @@ def test_unknown_trace_is_refused():
         sim_oos.workload("nope", 1.0, argparse.Namespace(requests=4, short=8, long=16, output_tokens=4))
 
 
-def test_noise_floor_and_resolved_ranking():
-    # two modes, three repeats each: TTFT p90 of aggregated always below disaggregated's
-    # (resolved); their ITL p90 repeats interleave (unresolved: noise decides)
-    measured = {
+def _two_modes_three_repeats() -> dict:
+    return {
         "aggregated|mix|1|0": _summary(1.0, 0.010), "aggregated|mix|1|1": _summary(1.1, 0.012),
         "aggregated|mix|1|2": _summary(1.5, 0.011),
         "disaggregated|mix|1|0": _summary(2.0, 0.011), "disaggregated|mix|1|1": _summary(2.1, 0.0105),
         "disaggregated|mix|1|2": _summary(2.2, 0.013),
     }
+
+
+def test_noise_floor_and_resolved_ranking():
+    # two modes, three repeats each: TTFT p90 of aggregated always below disaggregated's
+    # (resolved); their ITL p90 repeats interleave (unresolved: noise decides)
+    measured = _two_modes_three_repeats()
     agree = sim_oos.repeat_agreement(measured, 0.15)
     # aggregated TTFT: 1.0 vs median(1.1, 1.5)=1.3 (30 % off: miss), 1.1 vs 1.25 (14 %: hit),
     # 1.5 vs 1.05 (30 %: miss)
@@ -123,12 +127,7 @@ def test_noise_floor_and_resolved_ranking():
 
 
 def test_cell_agreement_scores_the_median_of_the_repeats_and_leaves_the_fitted_cell_out():
-    measured = {
-        "aggregated|mix|1|0": _summary(1.0, 0.010), "aggregated|mix|1|1": _summary(1.1, 0.012),
-        "aggregated|mix|1|2": _summary(1.5, 0.011),
-        "disaggregated|mix|1|0": _summary(2.0, 0.011), "disaggregated|mix|1|1": _summary(2.1, 0.0105),
-        "disaggregated|mix|1|2": _summary(2.2, 0.013),
-    }
+    measured = _two_modes_three_repeats()
     # aggregated's medians: TTFT 1.1 s, ITL 11 ms; the prediction 1.2 s (9 % off) and 14 ms (27 % off)
     pred = {k: _summary(1.2, 0.014) for k in measured}
     assert sim_oos.cell_agreement(measured, pred, "disaggregated|mix|1|0", 0.15) == (2, 4)
