@@ -223,31 +223,47 @@ class LLMEngine:
             n += 1
         return n
 
-    def import_cached_blocks(self, block_hashes: Seq[bytes], blocks: Seq[bytes | memoryview]) -> int:
+    def import_cached_blocks(self, block_hashes: Seq[bytes], blocks: Seq[bytes | memoryview],
+                             keep: Seq[bytes] = ()) -> int:
         """Put blocks computed elsewhere (read from the KV store) into this worker's prefix
         cache, as free cached blocks that the next prompt with that prefix will hit. Blocks
         already cached here are skipped; stops early when no block is free. Returns how many
         were imported.
 
+        ``keep``: hashes of the blocks before these in the same prompt that this worker's
+        cache holds (its local leading hits). They, and every block of the import, are held
+        until the import ends, so that taking a free block cannot evict a block the prompt is
+        about to hit (the free queue is least recently used first); then they go back last
+        block first, so that eviction takes suffixes before their prefixes (as ``free`` does).
+
         Raises:
             ValueError: a block's size does not match this pool's layout.
         """
         bm = self.block_manager
+        held = []
         imported = 0
-        for block_hash, data in zip(block_hashes, blocks):
-            if bm.lookup(block_hash) is not None:
-                continue
-            if bm.num_free_blocks == 0:
-                break
-            block = bm.allocate_block()
-            try:
+        try:
+            for block_hash in keep:
+                block = bm.lookup(block_hash)
+                if block is not None:
+                    bm.hold(block)
+                    held.append(block)
+            for block_hash, data in zip(block_hashes, blocks):
+                block = bm.lookup(block_hash)
+                if block is not None:
+                    bm.hold(block)
+                    held.append(block)
+                    continue
+                if bm.num_free_blocks == 0:
+                    break
+                block = bm.allocate_block()
+                held.append(block)
                 self.kv_cache.import_block(block.block_id, data)
-            except ValueError:
+                bm.register_block(block, block_hash)
+                imported += 1
+        finally:
+            for block in reversed(held):
                 bm.release(block)
-                raise
-            bm.register_block(block, block_hash)
-            bm.release(block)
-            imported += 1
         return imported
 
     def admit_with_kv(

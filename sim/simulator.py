@@ -177,7 +177,7 @@ class Simulation:
         # no expiry or capacity is modelled)
         self.store = profile.store(topo.kv_store)  # the decode side's figures for the store
         self.store_free: dict = {}
-        self.staged: set[bytes] = set()
+        self.staged: dict[bytes, float] = {}  # block hash → when its put ends (in the store from then)
         self.kv_put_s = 0.0  # seconds the store's servers spent on puts, and on gets
         self.kv_get_s = 0.0
         self.kv_wait_s = 0.0  # seconds hand-offs waited for a busy store server
@@ -238,7 +238,7 @@ class Simulation:
                          preemptions=sum(w.sched.num_preemptions for w in workers), cpu_s=cpu, gap_r=self.gap_r,
                          kv={"store": self.store.kind, "put_s": self.kv_put_s, "get_s": self.kv_get_s,
                              "wait_s": self.kv_wait_s,
-                             "import_s": sum(w.import_s for w in self.decode)})
+                             "import_s": sum(w.import_s for w in self.prefill + self.decode)})
 
     def _admit(self, now: float, req) -> None:
         """The gateway's admission by predicted wait: :meth:`WaitAdmission.predict` over the
@@ -271,7 +271,7 @@ class Simulation:
         if self.topo.mode == "conditional":
             pre = [self._heartbeat(now, w) for w in self.prefill]
             dec = [self._heartbeat(now, w) for w in self.decode]
-            remote = self.router.decide(req.prompt_tokens, self._staged_prefix_tokens(hashes, req.prompt_tokens),
+            remote = self.router.decide(req.prompt_tokens, self._staged_prefix_tokens(now, hashes, req.prompt_tokens),
                                         pre, dec).target == "remote"
         seq = new_seq(req, bs, hashes, prefill_only=remote)
         if remote:
@@ -378,16 +378,16 @@ class Simulation:
         new = [h for h in seq.block_hashes[: seq.num_computed_tokens // bs] if h not in self.staged]
         if not new:
             return
-        self.staged.update(new)
         seconds = self.store.put(len(new) * bs * bpt)
         self.kv_put_s += seconds
-        self._store_job(now, self._server(src), seconds)
+        self.staged.update(dict.fromkeys(new, self._store_job(now, self._server(src), seconds)))
 
-    def _staged_prefix_tokens(self, hashes: list[bytes], num_tokens: int) -> int:
+    def _staged_prefix_tokens(self, now: float, hashes: list[bytes], num_tokens: int) -> int:
         """The tokenizer's ``_staged_prefix_tokens``: leading prompt tokens whose blocks the
         store holds (the conditional router's ``num_cached_tokens``)."""
         usable = hashes[: num_reusable_blocks(num_tokens, self.p.block_size)]
-        run = next((i for i, h in enumerate(usable) if h not in self.staged), len(usable))
+        inf = float("inf")
+        run = next((i for i, h in enumerate(usable) if self.staged.get(h, inf) > now), len(usable))
         return run * self.p.block_size
 
     def _read_store_hits(self, now: float, w: SimWorker, seq) -> float:
@@ -400,7 +400,8 @@ class Simulation:
         bs = self.p.block_size
         usable = seq.block_hashes[: num_reusable_blocks(seq.num_prompt_tokens, bs)]
         wanted = usable[leading_hits(w.bm, usable):]
-        run = next((i for i, h in enumerate(wanted) if h not in self.staged), len(wanted))
+        inf = float("inf")  # exists() sees a block once its put has ended
+        run = next((i for i, h in enumerate(wanted) if self.staged.get(h, inf) > now), len(wanted))
         if run == 0:
             return now
         seq.store_hits, seq.kv_bytes = tuple(wanted[:run]), run * bs * self.p.kv_bytes_per_token
@@ -417,10 +418,11 @@ class Simulation:
         bs, bpt = self.p.block_size, self.p.kv_bytes_per_token
         full = seq.num_prompt_tokens // bs
         new = [h for h in seq.block_hashes[:full] if h not in self.staged]
-        self.staged.update(new)
         seconds = self.store.put((len(new) * bs + seq.num_prompt_tokens % bs) * bpt)
         self.kv_put_s += seconds
-        self.push(self._store_job(now, self._server(src), seconds) + self.hop, self._kv_task, seq)
+        end = self._store_job(now, self._server(src), seconds)
+        self.staged.update(dict.fromkeys(new, end))
+        self.push(end + self.hop, self._kv_task, seq)
 
     def _kv_task(self, now: float, seq) -> None:
         """``seq``'s DecodeTask is published to the decode pool."""

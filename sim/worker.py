@@ -20,6 +20,7 @@ import math
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from shared.hashing import num_reusable_blocks
 from shared.messages import SamplingParams
 from sim.profile import CostModel
 
@@ -172,18 +173,29 @@ class SimWorker:
     def _import_store_hits(self, seq: SimSeq) -> None:
         """``ModelWorker.import_store_hits``: the leading blocks of a new prompt that another
         worker staged (read in a thread: ``seq.kv_bytes``) become free cached blocks of this
-        worker's prefix cache on the engine thread, so the prompt computes only the rest."""
-        imp = self.cost.kv_import(seq.kv_bytes)
+        worker's prefix cache on the engine thread (``LLMEngine.import_cached_blocks``: the
+        prompt's local hits and the imported blocks held until it ends, then released last
+        first), so the prompt computes only the rest."""
+        bm, bs = self.bm, self.block_size
+        usable = seq.block_hashes[: num_reusable_blocks(seq.num_prompt_tokens, bs)]
+        first = usable.index(seq.store_hits[0]) if seq.store_hits[0] in usable else 0
+        held, imported = [], 0
+        for h in list(usable[:first]) + list(seq.store_hits):
+            block = bm.lookup(h)
+            if block is not None:
+                bm.hold(block)
+            elif bm.num_free_blocks == 0:
+                break
+            else:
+                block = bm.allocate_block()
+                bm.register_block(block, h)
+                imported += 1
+            held.append(block)
+        for block in reversed(held):
+            bm.release(block)
+        imp = self.cost.kv_import(imported * bs * self.sim.p.kv_bytes_per_token)
         self.extra_s += imp
         self.import_s += imp
-        for h in seq.store_hits:
-            if self.bm.lookup(h) is not None:
-                continue
-            if self.bm.num_free_blocks == 0:
-                break
-            block = self.bm.allocate_block()
-            self.bm.register_block(block, h)
-            self.bm.release(block)
         seq.store_hits, seq.kv_bytes = (), 0
 
     # --- steps ------------------------------------------------------------------------

@@ -169,7 +169,8 @@ class ModelWorker(Worker):
             run = next((i for i, d in enumerate(data) if d is None), len(data))
             if run == 0:
                 return 0
-            imported = await self.engine_loop.call(lambda e: e.import_cached_blocks(wanted[:run], data[:run]))
+            imported = await self.engine_loop.call(
+                lambda e: e.import_cached_blocks(wanted[:run], data[:run], keep=hashes[:num_local]))
         except Exception as exc:
             self.log.warning("store_prefix_lookup_failed", request_id=request_id, error=str(exc))
             return 0

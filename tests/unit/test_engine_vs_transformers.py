@@ -279,3 +279,25 @@ def test_blocks_imported_from_the_store_are_prefix_hits(tiny_model):
     assert seq.num_cached_tokens == 24
     assert second.stats.num_prefill_tokens == len(prompt) + 1 - 24
     assert seq.output_token_ids == reference(ref, prompt + [5], 12, eos)
+
+
+def test_an_import_keeps_the_prompts_own_hits_and_stops_when_the_pool_is_full(tiny_model):
+    """A worker holds a prompt's first 2 blocks and imports the next 7 from the store into a
+    pool of 6: the import must not evict the blocks the prompt is about to hit (its own
+    leading hits, its earlier imports) to make room; it stops when no block is free, leaving
+    a leading run of 6 cached blocks."""
+    model, _, _ = tiny_model
+    prompt = prompts_of([38], model.config.vocab_size, seed=9)[0]
+    first = make_engine(model)
+    first.add_request("a", prompt, GREEDY, stop_after_prefill=True)
+    (out,) = first.step()
+    hashes, blocks = out.prompt_kv.block_hashes, [bytes(b) for b in out.prompt_kv.blocks]
+    assert len(hashes) == 9
+    second = make_engine(model, num_kv_blocks=6)
+    assert second.import_cached_blocks(hashes[:2], blocks[:2]) == 2  # the worker's local hits
+    assert second.import_cached_blocks(hashes[2:], blocks[2:], keep=hashes[:2]) == 4
+    assert second.cached_block_hashes(hashes) == 6
+    assert second.block_manager.num_free_blocks == 6  # cached, yet free
+    # released last block first: the next allocation evicts the prompt's last block, not its first
+    second.block_manager.release(second.block_manager.allocate_block())
+    assert second.cached_block_hashes(hashes) == 5

@@ -162,3 +162,45 @@ def test_the_conditional_router_counts_staged_blocks_and_local_prefill_reads_the
     # without the store's blocks counted (another prompt's prefix), b's 1,088 tokens go remote
     other = trace.SimRequest(1, 5.0, 1024 + 64, 3, hash_ids=tuple(range(100, 117)), segment_tokens=64)
     assert Simulation(topo, p).run([a, other]).remote == 2
+
+
+def test_a_simulated_import_keeps_the_prompts_own_hits_and_stops_when_the_pool_is_full():
+    """As ``LLMEngine.import_cached_blocks``: a worker of 6 blocks holding a prompt's first 2
+    blocks imports the next 7 staged ones; it keeps its own hits, imports 4 and stops, and the
+    engine thread pays for the 4 it imported."""
+    from sim.worker import leading_hits, new_seq
+
+    p = _profile(block_size=16, kv_import_fixed_s=0.0, kv_import_s_per_byte=1e-6)
+    sim = Simulation(Topology(mode="conditional", prefill=1, decode=1, num_kv_blocks=6), p)
+    w = sim.decode[0]
+    req = trace.SimRequest(0, 0.0, 9 * 16 + 8, 3)
+    hashes = req.block_hashes(16)
+    for h in hashes[:2]:
+        b = w.bm.allocate_block()
+        w.bm.register_block(b, h)
+        w.bm.release(b)
+    seq = new_seq(req, 16, hashes, prefill_only=False)
+    seq.store_hits, seq.kv_bytes = tuple(hashes[2:9]), 7 * 16 * p.kv_bytes_per_token
+    w._import_store_hits(seq)
+    assert leading_hits(w.bm, hashes) == 6
+    assert w.import_s == pytest.approx(4 * 16 * p.kv_bytes_per_token * 1e-6)
+    assert seq.store_hits == () and seq.kv_bytes == 0
+
+
+def test_staged_blocks_count_once_their_put_has_ended():
+    """The store's ``exists`` sees a block once its put is done: a question arriving while the
+    prefix's put is still running is routed as a whole prompt (nothing cached), one arriving
+    after it with the prefix counted."""
+    p = _profile(kv_stores={"shm": {**SLOW, "put_s_per_byte": 1e-6, "get_s_per_byte": 1e-6}})
+    a = trace.SimRequest(0, 0.0, 1024 + 64, 3, hash_ids=tuple(range(17)), segment_tokens=64)
+    topo = Topology(mode="conditional", prefill=1, decode=1, local_max_tokens=128, kv_store="shm",
+                    kv_stage_during_prefill=False)
+    put_s = 1088 * p.kv_bytes_per_token * 1e-6  # about 1.1 s, after a prefill of about 0.4 s
+    for arrive, cached in ((0.6, 0), (0.5 + put_s + 1.0, 1024)):
+        b = trace.SimRequest(1, arrive, 1024 + 64, 3, hash_ids=tuple(range(16)) + (99,), segment_tokens=64)
+        sim = Simulation(topo, p)
+        seen = []
+        decide = sim.router.decide
+        sim.router.decide = lambda n, c, pre, dec: seen.append(c) or decide(n, c, pre, dec)
+        sim.run([a, b])
+        assert seen == [0, cached]
