@@ -20,6 +20,7 @@ would fail raises :class:`NoFreeBlocks`, a bug in the caller.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -157,6 +158,48 @@ class BlockManager:
         if self.enable_prefix_caching and block_hash not in self.cached_blocks and block.block_hash is None:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+
+    def import_blocks(self, block_hashes: Seq[bytes], keep: Seq[bytes] = (),
+                      fill: Callable[[int, int], None] | None = None) -> int:
+        """Name fresh blocks by ``block_hashes`` (blocks computed elsewhere, read from the KV
+        store) as free cached blocks that the next prompt with that prefix will hit. Hashes
+        cached here already are skipped; stops early when no block is free. ``fill(block_id,
+        i)`` writes the ``i``-th block's data into the pool before it is named (the engine's
+        copy; the simulator has none). Returns how many were imported.
+
+        ``keep``: hashes of the blocks before these in the same prompt that this cache holds
+        (its local leading hits). They, and every block of the import, are held until the
+        import ends, so that taking a free block cannot evict a block the prompt is about to
+        hit (the free queue is least recently used first); then they go back last block first,
+        so that eviction takes suffixes before their prefixes (as :meth:`free` does). An
+        exception from ``fill`` ends the import (the block it was filling goes back unnamed).
+        """
+        held: list[KVBlock] = []
+        imported = 0
+        try:
+            for block_hash in keep:
+                block = self.lookup(block_hash)
+                if block is not None:
+                    self.hold(block)
+                    held.append(block)
+            for i, block_hash in enumerate(block_hashes):
+                block = self.lookup(block_hash)
+                if block is not None:
+                    self.hold(block)
+                    held.append(block)
+                    continue
+                if self.num_free_blocks == 0:
+                    break
+                block = self.allocate_block()
+                held.append(block)
+                if fill is not None:
+                    fill(block.block_id, i)
+                self.register_block(block, block_hash)
+                imported += 1
+        finally:
+            for block in reversed(held):
+                self.release(block)
+        return imported
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; its blocks go to the free queue, last block first, so

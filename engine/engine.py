@@ -230,41 +230,15 @@ class LLMEngine:
         already cached here are skipped; stops early when no block is free. Returns how many
         were imported.
 
-        ``keep``: hashes of the blocks before these in the same prompt that this worker's
-        cache holds (its local leading hits). They, and every block of the import, are held
-        until the import ends, so that taking a free block cannot evict a block the prompt is
-        about to hit (the free queue is least recently used first); then they go back last
-        block first, so that eviction takes suffixes before their prefixes (as ``free`` does).
+        ``keep``: the prompt's blocks before these that this worker's cache holds (its local
+        leading hits), held with the import's own until it ends
+        (:meth:`BlockManager.import_blocks`).
 
         Raises:
             ValueError: a block's size does not match this pool's layout.
         """
-        bm = self.block_manager
-        held = []
-        imported = 0
-        try:
-            for block_hash in keep:
-                block = bm.lookup(block_hash)
-                if block is not None:
-                    bm.hold(block)
-                    held.append(block)
-            for block_hash, data in zip(block_hashes, blocks):
-                block = bm.lookup(block_hash)
-                if block is not None:
-                    bm.hold(block)
-                    held.append(block)
-                    continue
-                if bm.num_free_blocks == 0:
-                    break
-                block = bm.allocate_block()
-                held.append(block)
-                self.kv_cache.import_block(block.block_id, data)
-                bm.register_block(block, block_hash)
-                imported += 1
-        finally:
-            for block in reversed(held):
-                bm.release(block)
-        return imported
+        return self.block_manager.import_blocks(
+            block_hashes[: len(blocks)], keep, lambda block_id, i: self.kv_cache.import_block(block_id, blocks[i]))
 
     def admit_with_kv(
         self,

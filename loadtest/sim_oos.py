@@ -285,16 +285,22 @@ def ranking(measured: dict, predicted: dict, fit_key: str, tie: float) -> list[d
     return out
 
 
+def _cells(measured: dict) -> dict[tuple, list[str]]:
+    """The runs' keys by (mode, trace, rate) cell: a cell's repeats."""
+    cells: dict[tuple, list[str]] = {}
+    for k in measured:
+        mode, trace, rate, _ = k.split("|")
+        cells.setdefault((mode, trace, rate), []).append(k)
+    return cells
+
+
 def repeat_agreement(measured: dict, tolerance: float) -> dict:
     """The measurement's own noise floor: each run's TTFT and ITL p50/p90 against the median of
     the other repeats of its (mode, trace, rate) cell — a prediction that knew each cell's
     typical value exactly would land within ``tolerance`` about this often. Returns
     ``{(metric, q): [within, total]}`` and ``("all", "p50+p90")``; cells with one repeat count
     in none."""
-    cells: dict[tuple, list[str]] = {}
-    for k in measured:
-        mode, trace, rate, _ = k.split("|")
-        cells.setdefault((mode, trace, rate), []).append(k)
+    cells = _cells(measured)
     out: dict[tuple, list[int]] = {}
     for ks in cells.values():
         if len(ks) < 2:
@@ -318,10 +324,7 @@ def cell_agreement(measured: dict, predicted: dict, fit_key: str, tolerance: flo
     cell's one prediction (the repeats send the same lengths and arrivals). The fitted run's
     cell is left out (its median holds the fitted run). Returns (within ``tolerance``, total): a
     view beside the target's per-run share, which also counts each run's own noise."""
-    cells: dict[tuple, list[str]] = {}
-    for k in measured:
-        mode, trace, rate, _ = k.split("|")
-        cells.setdefault((mode, trace, rate), []).append(k)
+    cells = _cells(measured)
     fit_cell = tuple(fit_key.split("|")[:3])
     within = total = 0
     for cell, ks in cells.items():

@@ -386,9 +386,13 @@ class Simulation:
         """The tokenizer's ``_staged_prefix_tokens``: leading prompt tokens whose blocks the
         store holds (the conditional router's ``num_cached_tokens``)."""
         usable = hashes[: num_reusable_blocks(num_tokens, self.p.block_size)]
+        return self._staged_run(now, usable) * self.p.block_size
+
+    def _staged_run(self, now: float, hashes) -> int:
+        """How many of ``hashes``' leading blocks are in the store at ``now``: ``exists`` sees a
+        block once its put has ended."""
         inf = float("inf")
-        run = next((i for i, h in enumerate(usable) if self.staged.get(h, inf) > now), len(usable))
-        return run * self.p.block_size
+        return next((i for i, h in enumerate(hashes) if self.staged.get(h, inf) > now), len(hashes))
 
     def _read_store_hits(self, now: float, w: SimWorker, seq) -> float:
         """Worker ``w`` took new prompt ``seq`` at ``now``: as ``ModelWorker.import_store_hits``,
@@ -400,8 +404,7 @@ class Simulation:
         bs = self.p.block_size
         usable = seq.block_hashes[: num_reusable_blocks(seq.num_prompt_tokens, bs)]
         wanted = usable[leading_hits(w.bm, usable):]
-        inf = float("inf")  # exists() sees a block once its put has ended
-        run = next((i for i, h in enumerate(wanted) if self.staged.get(h, inf) > now), len(wanted))
+        run = self._staged_run(now, wanted)
         if run == 0:
             return now
         seq.store_hits, seq.kv_bytes = tuple(wanted[:run]), run * bs * self.p.kv_bytes_per_token

@@ -173,26 +173,12 @@ class SimWorker:
     def _import_store_hits(self, seq: SimSeq) -> None:
         """``ModelWorker.import_store_hits``: the leading blocks of a new prompt that another
         worker staged (read in a thread: ``seq.kv_bytes``) become free cached blocks of this
-        worker's prefix cache on the engine thread (``LLMEngine.import_cached_blocks``: the
-        prompt's local hits and the imported blocks held until it ends, then released last
-        first), so the prompt computes only the rest."""
-        bm, bs = self.bm, self.block_size
+        worker's prefix cache on the engine thread (``BlockManager.import_blocks``, as
+        ``LLMEngine.import_cached_blocks`` calls it), so the prompt computes only the rest."""
+        bs = self.block_size
         usable = seq.block_hashes[: num_reusable_blocks(seq.num_prompt_tokens, bs)]
-        first = usable.index(seq.store_hits[0]) if seq.store_hits[0] in usable else 0
-        held, imported = [], 0
-        for h in list(usable[:first]) + list(seq.store_hits):
-            block = bm.lookup(h)
-            if block is not None:
-                bm.hold(block)
-            elif bm.num_free_blocks == 0:
-                break
-            else:
-                block = bm.allocate_block()
-                bm.register_block(block, h)
-                imported += 1
-            held.append(block)
-        for block in reversed(held):
-            bm.release(block)
+        keep = usable[: usable.index(seq.store_hits[0])]  # the read took the run after the local hits
+        imported = self.bm.import_blocks(seq.store_hits, keep)
         imp = self.cost.kv_import(imported * bs * self.sim.p.kv_bytes_per_token)
         self.extra_s += imp
         self.import_s += imp
