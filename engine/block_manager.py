@@ -20,7 +20,8 @@ would fail raises :class:`NoFreeBlocks`, a bug in the caller.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.sequence import Sequence

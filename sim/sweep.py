@@ -55,10 +55,12 @@ GRID = [
     ("a100-llama2-7b", ("azure-conv", "azure-code", "mooncake"), 4096),
     ("a100x4-llama2-70b-tp4", ("azure-conv", "azure-code", "mooncake"), 4096),
     ("a100x4-llama2-70b-32k-tp4", ("azure-conv", "mooncake", "agentic"), 32768),
+    ("h200-llama2-7b", ("azure-conv", "azure-code", "mooncake"), 4096),
 ]
 #: Sensitivity rows: the seeds' regime on the long-context profile's MFU / MBU variants.
 SENSITIVITY = [("a100x4-llama2-70b-32k-tp4-mfu0.35-mbu0.58", ("agentic",), 32768),
-               ("a100x4-llama2-70b-32k-tp4-mfu0.65-mbu0.40", ("agentic",), 32768)]
+               ("a100x4-llama2-70b-32k-tp4-mfu0.65-mbu0.40", ("agentic",), 32768),
+               ("h200-llama2-7b-ib", ("azure-conv", "azure-code", "mooncake"), 4096)]
 LOADS = (0.4, 0.6, 0.8, 0.95)
 MODES = ("aggregated", "aggregated+chunked", "disaggregated", "conditional")
 MIX_NOTES = {
@@ -381,14 +383,19 @@ def write_md(data: dict, path: Path, command: str) -> None:
              f"{' (with uncommitted changes)' if st['dirty'] else ''}, simulator code `{st['code']}`, "
              f"{st['made_at']}, in {data['wall_s']:.0f} s; raw numbers in `scale.json` (a test refuses it once a "
              "profile or the simulator's code changes: rerun the command), plot `scale.png`.", "",
-             "**Simulated, not measured.** The profiles are built from published A100 figures (`sim/cited.py`, "
-             "`docs/profiles/README.md`); the simulator's out-of-sample error was measured only against "
-             "CPU deployments of the development machine (`pdserve bench sim-validate`, docs/sim-validation.md), "
-             "**never against a GPU run**, so read the map as the model's prediction.", "",
+             "**Simulated, not measured.** The A100 profiles are built from published figures (`sim/cited.py`, "
+             "`docs/profiles/README.md`); `h200-llama2-7b` is pdserve's own engine measured on a lent H200 "
+             "(`pdserve profile --synthetic llama2-7b`: Llama-2-7B's shapes, random weights), and "
+             "`h200-llama2-7b-ib` is that measurement with the cited InfiniBand hand-off in place of the measured "
+             "one (a what-if). The simulator's out-of-sample error was measured only against CPU deployments of "
+             "the development machine (`pdserve bench sim-validate`, docs/sim-validation.md), **never against a "
+             "GPU run**, so read the map as the model's prediction.", "",
              f"* Hardware: {se['workers']} model workers in every mode (equal hardware; a worker is the profile's "
-             "GPUs: 1 A100 for the 7B, 4 for the 70B profiles); KV hand-off over the workers' InfiniBand links "
-             "(the cited profiles' `network` store: a FIFO per sending link), decode import free on the engine "
-             "thread (RDMA into the pool).",
+             "GPUs: 1 A100 or 1 H200 for the 7B, 4 A100 for the 70B profiles). KV hand-off: on the cited profiles "
+             "and the `-ib` variant over the workers' InfiniBand links (the `network` store: a FIFO per sending "
+             "link), decode import free on the engine thread (RDMA into the pool); on `h200-llama2-7b` as pdserve "
+             "does it today, measured: GPU → pinned host buffer → the shared-memory store and back, ~1.2 GB/s "
+             "staged and ~1.1 GB/s loaded.",
              f"* Requests: the first {se['requests']} of each mix per cell (reduced to keep the sweep to minutes "
              "on 2 cores: tails past p99 rest on few requests).",
              "* Mixes: " + "; ".join(f"`{k}` — {v}" for k, v in se["mixes"].items()) + ".",

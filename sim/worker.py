@@ -256,8 +256,9 @@ class SimWorker:
         if k <= 1 or now >= t0 + self._cum(t1, dt, k):
             return
         j = 1
-        # smallest j with cum(j) >= now - t0 (the step in progress finishes)
-        x = now - t0
+        # smallest j with cum(j) >= now - t0 (the step in progress finishes); a segment that has
+        # not begun yet (t0 = its start after a KV import, later than now) keeps its first step
+        x = max(0.0, now - t0)
         if dt > 0:
             j = math.ceil((-(t1 - dt / 2) + math.sqrt((t1 - dt / 2) ** 2 + 2 * dt * x)) / dt)
         else:

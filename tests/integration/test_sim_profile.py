@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from loadtest import sim_validate as validate
 from sim.measure import main as profile_main
 from sim.profile import Profile
@@ -60,3 +62,30 @@ def test_simulated_twin_fits_the_run_it_was_calibrated_on(tiny_model_dir, tmp_pa
     for metric, q in (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50")):
         ratio = s[metric][q] / m[metric][q]
         assert 1 / TOLERANCE[q] <= ratio <= TOLERANCE[q], (metric, q, m[metric][q], s[metric][q])
+
+
+def test_profile_of_a_synthetic_shape_is_greedy_and_prices_sampling(tiny_model_dir, tmp_path, monkeypatch):
+    """``--synthetic`` (how a lent GPU with no model hub is profiled) draws a random-weight
+    model of a named architecture, takes the tokenizer from ``--tokenizer``, and the profile
+    says so; decode is timed greedy with the cost of a sampled row beside it; an unknown shape
+    is refused before anything is built."""
+    from engine.model import synthetic
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rope_theta=10000.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    monkeypatch.setitem(synthetic.SHAPES, "tiny-test", shape)
+    monkeypatch.setenv("PD_KV_CACHE_MEMORY_BYTES", str(64 << 20))
+    monkeypatch.delenv("PD_MODEL", raising=False)
+    out = tmp_path / "p.json"
+    assert profile_main(["--synthetic", "tiny-test", "--tokenizer", str(tiny_model_dir), "--quick", "--no-bus",
+                         "--max-prompt", "128", "--max-batch", "4", "--name", "tiny-synth", "--out", str(out)]) == 0
+    p = Profile.load(out)
+    assert p.name == "tiny-synth" and p.model.startswith("tiny-test shape, random weights")
+    # 2 layers × K,V × 2 KV heads × head_dim 16 × the element size of the default dtype
+    assert p.kv_bytes_per_token in (2 * 2 * 2 * 16 * 2, 2 * 2 * 2 * 16 * 4)
+    assert "greedy" in p.sources["decode_s"] and p.sources["sample_s_per_row"] >= 0
+    assert p.tokenize_s > 0 and p.token_cpu_s > 0  # the tokenizer was copied in and priced
+    with pytest.raises(SystemExit) as info:
+        profile_main(["--synthetic", "no-such-shape", "--out", str(tmp_path / "q.json")])
+    assert info.value.code == 2 and not (tmp_path / "q.json").exists()

@@ -80,3 +80,54 @@ def test_logprobs_are_of_the_raw_distribution():
     ref = torch.log_softmax(logits, -1)[0]
     assert tok == 2 and math.isclose(lp.logprob, float(ref[2]), rel_tol=1e-6)
     assert [t for t, _ in lp.top] == [2, 1]
+
+
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus rule written the plain way: sort everything, keep the prefix whose mass
+    before each token is under top_p."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    drop = (torch.cumsum(sorted_probs, -1) - sorted_probs) >= top_p
+    drop[0] = False
+    return probs.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), 0.0)
+
+
+def test_top_p_through_topk_keeps_the_same_tokens_as_a_full_sort():
+    """The nucleus is searched among the top 64 / 512 / 4096 tokens before sorting the whole
+    row: peaked rows (found in the top 64), middling and flat ones (a full sort) must keep
+    exactly the tokens the plain rule keeps."""
+    from engine.sampler import _top_p
+
+    gen = torch.Generator().manual_seed(3)
+    for scale in (0.3, 2.0, 5.0, 12.0):
+        for top_p in (0.05, 0.5, 0.9, 0.99):
+            probs = torch.softmax(torch.randn(5000, generator=gen) * scale, -1)
+            got, ref = _top_p(probs, top_p), _top_p_by_full_sort(probs, top_p)
+            assert torch.equal(got > 0, ref > 0), (scale, top_p, int((got > 0).sum()), int((ref > 0).sum()))
+            assert torch.equal(got[got > 0], probs[got > 0])
+
+
+def test_a_seeded_filtered_row_draws_the_same_token_in_any_batch():
+    """Rows with top-k, top-p and min-p go through the per-row filter, the others through the
+    batched softmax: a seeded row's token must not depend on which other rows share its step."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    params = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.3, seed=2),
+              dict(temperature=0.5, top_k=20, seed=3), dict(temperature=1.0, min_p=0.05, seed=4),
+              dict(temperature=0.0), dict(temperature=0.7, top_k=50, top_p=0.8, seed=6)]
+    together = sample(logits, [row(**p, output=[1] * i) for i, p in enumerate(params)])[0]
+    alone = [sample(logits[i:i + 1], [row(**p, output=[1] * i)])[0][0] for i, p in enumerate(params)]
+    assert together == alone
+    # and a permuted batch gives each row its own token again
+    perm = [3, 0, 5, 1, 4, 2]
+    permuted = sample(logits[perm], [row(**params[i], output=[1] * i) for i in perm])[0]
+    assert permuted == [together[i] for i in perm]
+
+
+def test_sampling_with_top_p_follows_the_renormalised_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    counts = torch.zeros(4)
+    for s in range(3000):
+        counts[sample(torch.log(probs)[None], [row(temperature=1.0, top_p=0.7, seed=s)])[0][0]] += 1
+    # the nucleus of 0.7 is {0.5, 0.3} (the mass before 0.15 is 0.8 >= 0.7): renormalised 5/8, 3/8
+    assert counts[2] == counts[3] == 0
+    assert torch.allclose(counts[:2] / 3000, torch.tensor([0.625, 0.375]), atol=0.04)

@@ -381,3 +381,20 @@ def test_a_prefill_table_is_smoothed_to_constant_linear_and_quadratic_terms():
     assert smooth_prefill(tokens[:3], noisy[:3]) == noisy[:3]  # too few points to fit
     with pytest.raises(ValueError):
         smooth_prefill(tokens, noisy[:-1])
+
+
+def test_network_variants_of_measured_profiles_are_what_sim_cited_builds():
+    """``docs/profiles/<name>-ib.json`` is ``sim.cited.with_network_store`` of the committed
+    measured profile: the measurement's step costs, the cited InfiniBand store's hand-off, and
+    no import on the decode engine thread (regenerate with ``python -m sim.cited docs/profiles``)."""
+    from sim import cited
+
+    folder = Path(__file__).resolve().parents[2] / "docs" / "profiles"
+    for name in cited.NETWORK_VARIANTS:
+        measured = Profile.load(folder / f"{name}.json")
+        committed = Profile.load(folder / f"{name}-ib.json")
+        assert measured.measured and committed.digest() == cited.with_network_store(measured).digest()
+        assert committed.decode_s == measured.decode_s and committed.prefill_s == measured.prefill_s
+        store = committed.store()
+        assert store.kind == "network" and store.put_s_per_byte == pytest.approx(8 / 200e9)
+        assert committed.import_cost() == (0.0, 0.0) and measured.store().kind == "shm"

@@ -204,3 +204,16 @@ def test_staged_blocks_count_once_their_put_has_ended():
         sim.router.decide = lambda n, c, pre, dec: seen.append(c) or decide(n, c, pre, dec)
         sim.run([a, b])
         assert seen == [0, cached]
+
+
+def test_a_segment_delayed_by_an_import_can_be_cut_before_it_begins():
+    """A decode segment starts after the engine thread's KV import (seconds, on a GPU worker
+    whose hand-off goes through host memory); a second hand-off arriving meanwhile cuts that
+    segment before it has begun. The cut keeps its first step (it crashed on a negative
+    elapsed time: the H200 profile's sweep hit it)."""
+    p = _profile(kv_import_fixed_s=20.0, kv_import_s_per_byte=0.0, decode_ctx_s=1e-3)
+    reqs = [trace.SimRequest(0, 0.0, 64, 400), trace.SimRequest(1, 1.0, 64, 50), trace.SimRequest(2, 1.5, 64, 50)]
+    r = Simulation(Topology(mode="disaggregated", prefill=1, decode=1), p).run(reqs)
+    assert r.finished == 3 and r.kv["import_s"] == pytest.approx(3 * 20.0)
+    # the two later requests' tokens wait for both imports; the first's for all three
+    assert min(r.last[1:]) > 2 * 20.0 and r.last[0] > 3 * 20.0
