@@ -75,17 +75,22 @@ def apply_penalties(logits: torch.Tensor, rows: Seq[SamplingRow]) -> torch.Tenso
         if not _needs_processing(p):
             continue
         if p.logit_bias:
-            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
-            vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab], dtype=logits.dtype)
+            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long, device=logits.device)
+            vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab], dtype=logits.dtype,
+                                device=logits.device)
             logits[i].index_add_(0, ids, vals)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(list({*row.prompt_token_ids, *row.output_token_ids}), dtype=torch.long)
+            seen = torch.tensor(list({*row.prompt_token_ids, *row.output_token_ids}), dtype=torch.long,
+                                device=logits.device)
             if seen.numel():
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            counts = torch.bincount(torch.tensor(list(row.output_token_ids), dtype=torch.long), minlength=vocab)[:vocab]
-            logits[i] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
+            ids = torch.tensor([t for t in row.output_token_ids if 0 <= t < vocab], dtype=torch.long,
+                               device=logits.device)
+            counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).index_add_(
+                0, ids, torch.ones(ids.shape, dtype=logits.dtype, device=logits.device))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
 
@@ -106,10 +111,10 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     while True:
         k = min(k, vocab)
         top, order = torch.topk(probs, k) if k < vocab else torch.sort(probs, descending=True)
-        if k == vocab or float(top.sum()) >= top_p:
+        cum = torch.cumsum(top, dim=-1)
+        if k == vocab or bool(cum[-1] >= top_p):  # the same float32 sums the rule below reads
             break
         k *= 8
-    cum = torch.cumsum(top, dim=-1)
     keep = (cum - top) < top_p
     keep[0] = True  # a top_p that rounds to 0 in float32 still keeps the best token
     out = torch.zeros_like(probs)
@@ -151,14 +156,23 @@ def _draw(logits: torch.Tensor, rows: Seq[SamplingRow], index: list[int]) -> lis
     for k, r in enumerate(rows):
         if _has_filters(r.params):
             probs[k] = _filter_row(scaled[k], r.params)
+    # a zero-probability token must get an empty interval: cumsum's value there equals the one
+    # before it on a CPU (rows are summed in order) but a GPU's scan may round it another way;
+    # the running maximum over the nonzero positions makes it exact on any device
     cum = torch.cumsum(probs, dim=-1)
+    cum = torch.cummax(torch.where(probs > 0, cum, torch.zeros_like(cum)), dim=-1).values
     total = cum[:, -1:]
     u = torch.tensor([[_uniform(r.params.seed or 0, r.index)] for r in rows], dtype=torch.float32,
                      device=logits.device)
     # the first token whose cumulative mass exceeds u * total: zero-probability tokens have empty
     # intervals and are never picked; the bound keeps a rounded-up u * total below the total
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cum, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
+    picks = torch.searchsorted(cum, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # no finite positive mass (a +inf logit, every logit -inf, NaN): the row's argmax, as greedy
+    bad = ~(torch.isfinite(total) & (total > 0)).squeeze(1)
+    if bool(bad.any()):
+        picks = torch.where(bad, scaled.argmax(dim=-1), picks)
+    return picks.tolist()
 
 
 def sample(logits: torch.Tensor, rows: Seq[SamplingRow], masks=None) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -95,6 +95,7 @@ def measure(base, args, vocab: int, say) -> dict:
             continue
         settings = base.replace(step_log_dir=str(out_dir / "steps" / _slug(mode)), speculative_method="off")
         say(f"oos: {mode}: deploying for {len(cells)} runs ...")
+        first = order  # this deployment's logs go beside its runs, apart from an earlier deployment's
         with Deployed(settings, plans[mode]) as dep:
             asyncio.run(_ttft(dep.url, model, random_tokens(random.Random(9), 16, vocab)))
             rng = random.Random(11)
@@ -120,10 +121,19 @@ def measure(base, args, vocab: int, say) -> dict:
                 (out_dir / "requests").mkdir(exist_ok=True)
                 _requests_path(out_dir, key(mode, trace, rate, rep)).write_text(
                     json.dumps([asdict(r) for r in res], default=str))
-                # the services' logs (the tokenizer's `route` decision per request id among them)
-                # outlive the deployment: what a conditional prediction is checked against
-                shutil.copytree(dep.state_dir / "logs", out_dir / "logs" / _slug(mode), dirs_exist_ok=True)
+                keep_logs(dep.state_dir / "logs", out_dir / "logs" / _slug(mode) / f"from-run-{first}", say)
     return out
+
+
+def keep_logs(src: Path, dest: Path, say=print) -> None:
+    """Copy a deployment's service logs (the tokenizer's `route` decision per request id among
+    them: what a conditional prediction is checked against) to ``dest``, each deployment to a
+    folder of its own (a resumed sweep must not overwrite the logs of runs it keeps). A failed
+    copy is said and skipped: it must never end a sweep whose measurements are already written."""
+    try:
+        shutil.copytree(src, dest, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        say(f"oos: the services' logs were not kept ({type(exc).__name__}: {exc})")
 
 
 def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tuple[Profile, dict]:

@@ -1,6 +1,6 @@
 """``pdserve profile``: measure the simulator's cost profile on this machine and model, with the
 engine's own code paths (``LLMEngine.step`` for prefill and decode, ``export_prompt_kv`` +
-the KV store's ``put`` for staging, ``get`` + ``admit_with_kv`` for loading, JetStream for
+the KV store's ``put`` for staging, ``get_views`` + ``admit_with_kv`` for loading, JetStream for
 the bus hop, the postfilter's ``Detokenizer`` and the tokenizer for the per-token and
 per-request CPU), and write a versioned profile file (:class:`~sim.profile.Profile`).
 
@@ -121,7 +121,8 @@ def _corun_slowdown(bench: _Bench, batch: int, rounds: int = 3) -> float:
 
 
 def _kv_costs(engine, bench: _Bench, settings: Settings, lengths: list[int]) -> dict:
-    """Stage (export + put) and load (get + admit_with_kv) times by prompt length, shm store."""
+    """Stage (export + put) and load (``get_views`` + admit_with_kv) times by prompt length,
+    shm store."""
     from shared.kv.keys import block_key, tail_key
     from shared.kv.shm import ShmKVStore
 
@@ -145,8 +146,10 @@ def _kv_costs(engine, bench: _Bench, settings: Settings, lengths: list[int]) -> 
             engine.abort(rid)
             engine.block_manager.reset_prefix_cache()
             t = time.perf_counter()
-            got = store.get([block_key(h, "x") for h in kv.block_hashes])
-            tail = store.get([tail_key(rid)])[0] if kv.tail is not None else None
+            # as the decode worker reads them (services/decode/worker.py _load_kv): maps of the
+            # store's files where it has them, copied once into the pool by the import
+            got = store.get_views([block_key(h, "x") for h in kv.block_hashes])
+            tail = store.get_views([tail_key(rid)])[0] if kv.tail is not None else None
             engine.admit_with_kv(bench.rid(), prompt, [1], SamplingParams(max_tokens=4, ignore_eos=True),
                                  kv.block_hashes, got, tail)
             load.append(time.perf_counter() - t)
@@ -271,7 +274,7 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     sample_row = max(0.0, (bench.decode(b_ctx, 16, steps, temperature=1.0) - short_ctx_s) / b_ctx)
     say("profile: KV hand-off, CPU costs ...")
     kv = _kv_costs(engine, bench, settings, [n for n in (64, 256, 1024) if n <= max_prompt])
-    if (Path(folder) / "tokenizer.json").exists() or (Path(folder) / "tokenizer_config.json").exists():
+    if (Path(folder) / "tokenizer.json").exists():
         cpu = _cpu_costs(settings, folder)
     else:  # a synthetic model without a tokenizer: these host costs are not measured
         say("profile: no tokenizer in the model folder; tokenizer and per-token CPU costs left at 0")
@@ -296,7 +299,7 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
         corun_slowdown=corun, host_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1,
         num_kv_blocks=engine.num_kv_blocks, block_size=engine.config.block_size,
         sources={"how": "pdserve profile (sim/measure.py): medians of LLMEngine.step, export_prompt_kv+"
-                        "ShmKVStore.put, get+admit_with_kv, JetStream publish→pull, Detokenizer+message+SSE JSON",
+                        "ShmKVStore.put, get_views+admit_with_kv, JetStream publish→pull, Detokenizer+message+SSE JSON",
                  "torch_threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "request_cpu_s": "tokenize + 4 bus hops' worth of CPU (gateway, tokenizer, router): an estimate",
                  "prefill_s": "least-squares a + b n + c n^2 over the measured points (sim.profile.smooth_prefill)",
@@ -359,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bus", action="store_true", help="skip the NATS hop (default 1 ms)")
     p.add_argument("--synthetic", default="", help="measure this architecture with random weights instead of "
                    "PD_MODEL: smollm2-135m, llama2-7b (engine.model.synthetic.SHAPES)")
-    p.add_argument("--tokenizer", default="", help="with --synthetic: a model folder whose tokenizer prices "
-                   "the tokenizer and postfilter (default: the default model's, when converted)")
+    p.add_argument("--tokenizer", default="", help="with --synthetic: a model folder with a tokenizer.json, whose "
+                   "tokenizer prices the tokenizer and postfilter (default: the default model's, converted if needed; "
+                   "without one those costs are left at 0)")
     p.add_argument("--name", default="", help="the profile's name (default: host-model)")
     args = p.parse_args(argv or [])
     from engine.model.synthetic import SHAPES
@@ -368,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("PD_TORCH_THREADS", "1")
     settings = Settings.from_env(env)
+    if args.tokenizer and not args.synthetic:
+        p.error("--tokenizer goes with --synthetic (a model folder has its own tokenizer)")
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        p.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there (a Hugging Face model folder with a fast "
+                "tokenizer, e.g. the converted default model's)")
     label = ""
     with tempfile.TemporaryDirectory(prefix="pd-profile-") as tmp:
         if args.synthetic:

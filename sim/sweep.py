@@ -395,7 +395,7 @@ def write_md(data: dict, path: Path, command: str) -> None:
              "and the `-ib` variant over the workers' InfiniBand links (the `network` store: a FIFO per sending "
              "link), decode import free on the engine thread (RDMA into the pool); on `h200-llama2-7b` as pdserve "
              "does it today, measured: GPU → pinned host buffer → the shared-memory store and back, ~1.2 GB/s "
-             "staged and ~1.1 GB/s loaded.",
+             "staged and ~3.9 GB/s loaded.",
              f"* Requests: the first {se['requests']} of each mix per cell (reduced to keep the sweep to minutes "
              "on 2 cores: tails past p99 rest on few requests).",
              "* Mixes: " + "; ".join(f"`{k}` — {v}" for k, v in se["mixes"].items()) + ".",

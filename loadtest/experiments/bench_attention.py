@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                 cells = {}
                 for bf16 in ((False, True) if ext.has_bf16 else (False,)):
                     cells[bf16] = (
-                        _best_s(args.repeats, lambda b=bf16: ext.paged_prefill_attention_tiled(
-                            q, k, v, table, ctx, HEAD_DIM ** -0.5, 0, b)),
-                        _best_s(args.repeats, lambda b=bf16: ext.paged_decode_attention(
-                            q1, k, v, t1, l1, HEAD_DIM ** -0.5, b), calls=30))
+                        _best_s(args.repeats, lambda b=bf16, q=q, k=k, v=v, table=table, ctx=ctx:
+                                ext.paged_prefill_attention_tiled(q, k, v, table, ctx, HEAD_DIM ** -0.5, 0, b)),
+                        _best_s(args.repeats, lambda b=bf16, q1=q1, k=k, v=v, t1=t1, l1=l1:
+                                ext.paged_decode_attention(q1, k, v, t1, l1, HEAD_DIM ** -0.5, b), calls=30))
                 f_pre, f_dec = cells[False]
                 row = f"{threads:>8} {ctx:>8} {n:>16} {f_pre * 1e3:>11.2f} {flops / f_pre / 1e9:>8.0f}"
                 if True in cells:

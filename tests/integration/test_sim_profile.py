@@ -86,6 +86,8 @@ def test_profile_of_a_synthetic_shape_is_greedy_and_prices_sampling(tiny_model_d
     assert p.kv_bytes_per_token in (2 * 2 * 2 * 16 * 2, 2 * 2 * 2 * 16 * 4)
     assert "greedy" in p.sources["decode_s"] and p.sources["sample_s_per_row"] >= 0
     assert p.tokenize_s > 0 and p.token_cpu_s > 0  # the tokenizer was copied in and priced
-    with pytest.raises(SystemExit) as info:
-        profile_main(["--synthetic", "no-such-shape", "--out", str(tmp_path / "q.json")])
-    assert info.value.code == 2 and not (tmp_path / "q.json").exists()
+    for bad in (["--synthetic", "no-such-shape"], ["--tokenizer", str(tiny_model_dir)],
+                ["--synthetic", "tiny-test", "--tokenizer", str(tmp_path)]):  # no tokenizer.json there
+        with pytest.raises(SystemExit) as info:
+            profile_main([*bad, "--out", str(tmp_path / "q.json")])
+        assert info.value.code == 2 and not (tmp_path / "q.json").exists()

@@ -131,3 +131,20 @@ def test_sampling_with_top_p_follows_the_renormalised_nucleus():
     # the nucleus of 0.7 is {0.5, 0.3} (the mass before 0.15 is 0.8 >= 0.7): renormalised 5/8, 3/8
     assert counts[2] == counts[3] == 0
     assert torch.allclose(counts[:2] / 3000, torch.tensor([0.625, 0.375]), atol=0.04)
+
+
+def test_a_row_without_finite_mass_draws_its_argmax_not_the_last_token():
+    """A +inf logit (a float16 overflow) or a row of -inf makes the probabilities NaN: the draw
+    falls back to the row's argmax, as a greedy row would pick, not to the vocabulary's last id."""
+    logits = torch.tensor([[0.0, float("inf"), 1.0], [float("-inf")] * 3, [0.0, 1.0, 2.0]])
+    ids, _ = sample(logits, [row(temperature=1.0, seed=1)] * 3)
+    assert ids[0] == 1 and ids[1] == 0 and ids[2] in (0, 1, 2)
+
+
+def test_penalties_and_bias_run_on_the_logits_device():
+    """The bias, repetition and presence tensors are made on the logits' device (a GPU's logits
+    met CPU index tensors before); checked here with a device the CPU build has: meta."""
+    logits = torch.empty(1, 8, device="meta")
+    out = apply_penalties(logits, [row(logit_bias={3: 1.0}, repetition_penalty=1.5, presence_penalty=0.5,
+                                       prompt=[1, 2], output=[2, 5])])
+    assert out.device.type == "meta"

@@ -201,7 +201,7 @@ def test_staged_blocks_count_once_their_put_has_ended():
         sim = Simulation(topo, p)
         seen = []
         decide = sim.router.decide
-        sim.router.decide = lambda n, c, pre, dec: seen.append(c) or decide(n, c, pre, dec)
+        sim.router.decide = lambda n, c, pre, dec, seen=seen, decide=decide: seen.append(c) or decide(n, c, pre, dec)
         sim.run([a, b])
         assert seen == [0, cached]
 

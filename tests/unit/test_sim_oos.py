@@ -157,3 +157,20 @@ def test_pipeline_is_fitted_on_the_runs_unqueued_short_requests():
     assert sim_oos.pipeline_from_run(prof, topo, reqs, results) == pytest.approx(0.07)
     assert sim_oos.pipeline_from_run(prof, topo, reqs, results[:5]) is None  # not the run's requests
     assert sim_oos.pipeline_from_run(prof, topo, reqs, results, min_requests=3) is None
+
+
+def test_each_deployments_logs_are_kept_apart_and_a_failed_copy_does_not_end_the_sweep(tmp_path):
+    """A resumed sweep deploys the mode again with the same log names: its logs go to a folder
+    of their own, not over the route decisions of the runs it keeps; a copy that fails is said."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for src, text in ((first, "first"), (second, "second")):
+        src.mkdir()
+        (src / "tokenizer-0.log").write_text(text)
+    out = tmp_path / "out" / "logs" / "conditional"
+    sim_oos.keep_logs(first, out / "from-run-0")
+    sim_oos.keep_logs(second, out / "from-run-6")
+    assert (out / "from-run-0" / "tokenizer-0.log").read_text() == "first"
+    assert (out / "from-run-6" / "tokenizer-0.log").read_text() == "second"
+    said = []
+    sim_oos.keep_logs(tmp_path / "gone", out / "from-run-9", said.append)
+    assert len(said) == 1 and "not kept" in said[0]
