@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -61,6 +60,7 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
 
     from loadtest.bench_modes import Deployed, _model_name, _ttft, mode_plans
     from loadtest.client import run_workload, summarize
+    from loadtest.sim_oos import keep_logs
     from loadtest.workloads import random_tokens, synthetic
 
     plans = mode_plans(crossover)
@@ -85,9 +85,7 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
                 (Path(args.out) / "measured.json").write_text(json.dumps(out, indent=1, default=str))
                 (Path(args.out) / f"requests-{name.replace('+', '-')}.json").write_text(
                     json.dumps([asdict(r) for r in res], default=str))
-                # the services' logs (the tokenizer's `route` decisions among them) outlive the deployment
-                shutil.copytree(dep.state_dir / "logs", Path(args.out) / "logs" / name.replace("+", "-"),
-                                dirs_exist_ok=True)
+                keep_logs(dep.state_dir / "logs", Path(args.out) / "logs" / name.replace("+", "-"), say)
     return out
 
 

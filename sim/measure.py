@@ -158,7 +158,7 @@ def _kv_costs(engine, bench: _Bench, settings: Settings, lengths: list[int]) -> 
             store.clear()
     bpt = engine.bytes_per_token
     return {"stage": _fit([n * bpt for n in lengths], stage), "load": _fit([n * bpt for n in lengths], load),
-            "root": "/dev/shm" if shm else tempfile.gettempdir()}
+            "root": os.path.dirname(root)}
 
 
 def _fit(x: list[float], y: list[float]) -> tuple[float, float]:
