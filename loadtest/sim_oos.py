@@ -37,12 +37,12 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from loadtest.sim_validate import keep_logs
 from sim import calibrate as cal
 from sim import trace as traces
 from sim.profile import Profile, smooth_prefill
@@ -123,17 +123,6 @@ def measure(base, args, vocab: int, say) -> dict:
                     json.dumps([asdict(r) for r in res], default=str))
                 keep_logs(dep.state_dir / "logs", out_dir / "logs" / _slug(mode) / f"from-run-{first}", say)
     return out
-
-
-def keep_logs(src: Path, dest: Path, say=print) -> None:
-    """Copy a deployment's service logs (the tokenizer's `route` decision per request id among
-    them: what a conditional prediction is checked against) to ``dest``, each deployment to a
-    folder of its own (a resumed sweep must not overwrite the logs of runs it keeps). A failed
-    copy is said and skipped: it must never end a sweep whose measurements are already written."""
-    try:
-        shutil.copytree(src, dest, dirs_exist_ok=True)
-    except (OSError, shutil.Error) as exc:
-        say(f"oos: the services' logs were not kept ({type(exc).__name__}: {exc})")
 
 
 def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tuple[Profile, dict]:

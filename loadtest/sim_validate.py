@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -50,6 +51,18 @@ def sim_topologies(crossover: int, cores: int) -> dict[str, Topology]:
     }
 
 
+def keep_logs(src: Path, dest: Path, say=print) -> None:
+    """Copy a deployment's service logs (the tokenizer's `route` decision per request id among
+    them: what a conditional prediction is checked against) to ``dest``, each deployment to a
+    folder of its own (a resumed sweep must not overwrite the logs of runs it keeps). A failed
+    copy is said and skipped: it must never end a sweep whose measurements are already written."""
+    try:
+        shutil.copytree(src, dest, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        say(f"the services' logs were not kept ({type(exc).__name__}: {exc})")
+
+
+
 def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say) -> dict[str, dict]:
     """Run the real deployments; {mode: loadtest.client.Summary as a dict, with the idle
     ``probe`` and the workload's ``window`` on the host's monotonic clock}. With ``args.out``
@@ -60,7 +73,6 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
 
     from loadtest.bench_modes import Deployed, _model_name, _ttft, mode_plans
     from loadtest.client import run_workload, summarize
-    from loadtest.sim_oos import keep_logs
     from loadtest.workloads import random_tokens, synthetic
 
     plans = mode_plans(crossover)
