@@ -144,9 +144,13 @@ class Settings:
         "CPU, GGUF (or int8) weights: the block kernels' arithmetic. float32: weights widened to "
         "float32, exact sums. int8: each matmul input row quantized per 32 values to int8, integer dot "
         "products (llama.cpp's scheme; the quality gate measures it). bf16: in a bfloat16 model on an "
-        "AVX512-BF16 CPU, weights and inputs rounded to bf16, bf16 dot products. auto: bf16 for a bfloat16 "
-        "model (PD_DTYPE=auto there) on AVX512-BF16; else float32 (int8 was faster on AVX2 but changed a "
-        "greedy known answer there, docs/decisions.md).",
+        "AVX512-BF16 CPU, weights and inputs rounded to bf16, bf16 dot products; attention too (q.k and "
+        "p.v over the bf16 KV cache, head_dim 64 or 128, with the batch-invariant mode). amx: the same "
+        "roundings with the matmuls on AMX tiles (Intel Sapphire Rapids and later; attention as bf16). "
+        "auto: amx for a bfloat16 model (PD_DTYPE=auto there) on an AMX CPU, bf16 on AVX512-BF16 "
+        "without AMX; else float32 (int8 was faster on AVX2 but changed a greedy known answer there; "
+        "on the AMX Xeon float32 gives a shorter gap between tokens at one stream, amx more tokens/s "
+        "and a faster prefill: docs/decisions.md).",
         default="auto",
     )
 

@@ -21,7 +21,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_store": ("shm", "redis"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "weights": ("auto", "float", "int8"),
-    "block_dot": ("auto", "float32", "int8", "bf16"),
+    "block_dot": ("auto", "float32", "int8", "bf16", "amx"),
     "speculative_method": ("off", "ngram"),
     "routing": ("disaggregated", "aggregated", "conditional"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "float16"),

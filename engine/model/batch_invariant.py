@@ -24,9 +24,9 @@ Lab, 2025: each row's reductions in a fixed order with fixed split sizes):
   used the C++ paged kernel: the same token got three different reduction orders depending
   on prefix hits and chunking. Here every query token, prefill or decode, is one query of
   the paged decode kernel over its own context in the KV cache (positions ``0..p``): one
-  order per token, whatever the chunking, the prefix cache or the batch. Where the linears use
-  bf16 dot products (``PD_BLOCK_DOT`` resolved to ``bf16``) and the cache is bfloat16, q.k and
-  p.v do too (the kernels' ``bf16=True``: the same per-query order in decode and prefill).
+  order per token, whatever the chunking, the prefix cache or the batch. Where the linears round
+  to bf16 (``PD_BLOCK_DOT`` resolved to ``bf16`` or ``amx``) and the cache is bfloat16, q.k and
+  p.v are bf16 dot products too (the kernels' ``bf16=True``: the same per-query order in decode and prefill).
 * **RMSNorm**: the one-pass C++ kernel, per row (float32 math as transformers does).
 * **Softmax and sampling** were per row already (``engine.sampler``: per-request seeded
   draws, ``(seed, output index)``).
@@ -194,16 +194,18 @@ class InvariantAttention:
 
 def attention_bf16(runner, ext) -> bool:
     """Whether this mode's attention runs q.k and p.v as bf16 dot products: where the runner's
-    block kernels do (``runner.block_dot == "bf16"``: a bfloat16 model on an AVX512-BF16 CPU
-    without AMX, :func:`engine.model.quant.resolve_block_dot`), with a bfloat16 KV cache, head_dim
-    64 or 128 and an extension built with them (``ext.has_bf16``).
+    block kernels round to bf16 (``runner.block_dot`` ``bf16``, a bfloat16 model on an AVX512-BF16
+    CPU without AMX, or ``amx``, the same roundings on AMX tiles;
+    :func:`engine.model.quant.resolve_block_dot`), with a bfloat16 KV cache, head_dim 64 or 128 and
+    an extension built with them (``ext.has_bf16``).
 
-    Measured on AMD EPYC Zen 4 (AVX512-BF16, no AMX), one 512-token chunk at the end of a
-    2,048-token context, SmolLM2's 9 heads over 3 KV heads, 1 / 2 threads: 2.05x / 1.77x the float32
-    kernel; one decode query 1.49x / 1.45x (``pdserve bench attention``; docs/decisions.md,
-    "Attention as bf16 dot products where the linears use them")."""
+    Measured (``pdserve bench attention``; docs/decisions.md, "Attention as bf16 dot products where
+    the linears use them" and "Block matmuls on AMX tiles"), one 512-token chunk at the end of a
+    2,048-token context, SmolLM2's 9 heads over 3 KV heads, 1 / 2 threads, against the float32
+    kernel: AMD EPYC Zen 4 (no AMX) 2.05x / 1.77x, one decode query 1.49x / 1.45x; the AMX Xeon
+    1.55x / 1.36x, one decode query 1.25x / 1.12x."""
     cache = runner.kv_cache
-    return (getattr(runner, "block_dot", "float32") == "bf16" and cache.dtype == torch.bfloat16
+    return (getattr(runner, "block_dot", "float32") in ("bf16", "amx") and cache.dtype == torch.bfloat16
             and bool(getattr(ext, "has_bf16", False)) and cache.head_dim in (64, 128))
 
 

@@ -45,10 +45,10 @@ log = get_logger(__name__)
 MAX_ROWS = 64
 
 
-def _stack(ext, layers: list[BlockLinear], bf16: bool = False, int8: bool = False):
+def _stack(ext, layers: list[BlockLinear], bf16: bool = False, int8: bool = False, amx: bool = False):
     """One ``Blocks`` over ``layers`` stacked along the output rows; each layer's buffers become
     views of the stacked tensors (so the weights are held once). ``bf16``: bf16 dot products;
-    ``int8``: int8 activations, integer dot products."""
+    ``int8``: int8 activations, integer dot products; ``amx``: bf16 roundings on AMX tiles."""
     codes = torch.cat([m.codes for m in layers])
     scale = torch.cat([m.scale for m in layers])
     minimum = torch.cat([m.minimum for m in layers]) if layers[0].bits == 4 else torch.empty(0)
@@ -59,7 +59,7 @@ def _stack(ext, layers: list[BlockLinear], bf16: bool = False, int8: bool = Fals
         if m.bits == 4:
             m.minimum = minimum[start:end]
         start = end
-    return ext.Blocks(codes, scale, minimum, layers[0].bits, bf16, int8)
+    return ext.Blocks(codes, scale, minimum, layers[0].bits, bf16, int8, amx)
 
 
 def _eligible(model: torch.nn.Module) -> str | None:
@@ -95,26 +95,32 @@ class FusedDecode:
             so a token's bits do not depend on its batch.
         int8: quantize each matmul's input rows per 32 to int8 and take integer dot products
             (``PD_BLOCK_DOT=int8``, quant_block.h ``block_rows_q8``); excludes ``bf16``.
+        amx: bf16's roundings with the dot products on AMX tiles (``PD_BLOCK_DOT=amx``,
+            quant_block.h ``block_rows_amx``; ``ext.has_amx``), every row of every step, decode
+            included; excludes ``bf16`` and ``int8``.
     """
 
-    def __init__(self, model: torch.nn.Module, ext, bf16: bool | None = None, int8: bool = False):
+    def __init__(self, model: torch.nn.Module, ext, bf16: bool | None = None, int8: bool = False,
+                 amx: bool = False):
         config = model.config
         self.model = model
         self.ext = ext
         if bf16 is None:
             bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16
+        #: True when the matmuls run on AMX tiles (asked for and available)
+        self.amx = bool(amx) and bool(getattr(ext, "has_amx", False)) and not int8
         #: True when the matmuls use bf16 dot products (asked for and available)
-        self.bf16 = bool(bf16) and bool(getattr(ext, "has_bf16", False)) and not int8
+        self.bf16 = bool(bf16) and bool(getattr(ext, "has_bf16", False)) and not int8 and not self.amx
         #: True when the matmuls quantize their inputs to int8 (integer dot products)
         self.int8 = bool(int8)
         self.layers = []
         self.scales = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj], self.bf16, self.int8)
-            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj], self.bf16, self.int8)
-            o = _stack(ext, [attn.o_proj], self.bf16, self.int8)
-            down = _stack(ext, [mlp.down_proj], self.bf16, self.int8)
+            qkv = _stack(ext, [attn.q_proj, attn.k_proj, attn.v_proj], self.bf16, self.int8, self.amx)
+            gate_up = _stack(ext, [mlp.gate_proj, mlp.up_proj], self.bf16, self.int8, self.amx)
+            o = _stack(ext, [attn.o_proj], self.bf16, self.int8, self.amx)
+            down = _stack(ext, [mlp.down_proj], self.bf16, self.int8, self.amx)
             self.layers.append(ext.DecodeLayer(
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 layer.input_layernorm.variance_epsilon, qkv, o, gate_up, down,
@@ -242,7 +248,8 @@ def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device,
     logged) or the extension cannot be built (the step then runs unfused, correct but slower).
     ``block_dot`` (``PD_BLOCK_DOT``, resolved: :func:`engine.model.quant.resolve_block_dot`):
     ``float32``; ``int8`` (int8 activations, integer dot products); ``bf16`` (bf16 dot products
-    when the model computes in bfloat16 and the CPU has them, else float32, logged)."""
+    when the model computes in bfloat16 and the CPU has them, else float32, logged); ``amx`` (bf16
+    roundings on AMX tiles, where the extension has them, else float32, logged)."""
     bf16_dot = block_dot == "bf16"
     if device.type != "cpu" or kv_dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -260,11 +267,15 @@ def build(model: torch.nn.Module, kv_dtype: torch.dtype, device: torch.device,
         log.warning("fused_decode_unavailable", error=str(exc))
         return None
     # bf16 None: where the model and CPU allow
-    fused = FusedDecode(model, ext, bf16=None if bf16_dot else False, int8=block_dot == "int8")
+    fused = FusedDecode(model, ext, bf16=None if bf16_dot else False, int8=block_dot == "int8",
+                        amx=block_dot == "amx")
     if bf16_dot and not fused.bf16:
         log.warning("bf16_dot_unavailable", model_dtype=str(model.model.embed_tokens.weight.dtype),
                     cpu_has_it=getattr(ext, "has_bf16", False))
-    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa, bf16_dot=fused.bf16, int8_dot=fused.int8)
+    if block_dot == "amx" and not fused.amx:
+        log.warning("amx_dot_unavailable", cpu_has_it=getattr(ext, "has_amx", False))
+    log.info("fused_decode_on", layers=len(fused.layers), isa=ext.isa, bf16_dot=fused.bf16, int8_dot=fused.int8,
+             amx_dot=fused.amx)
     return fused
 
 

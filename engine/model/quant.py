@@ -20,8 +20,10 @@ scales. The figures are in docs/decisions.md.
 The kernel's arithmetic is per layer (:attr:`BlockLinear.int8`, from ``PD_BLOCK_DOT`` through
 :func:`resolve_block_dot` and :func:`set_block_dot`): float32 (weights widened exactly, float32
 sums), int8 activations (each row of x quantized per 32 inputs, integer dot products:
-llama.cpp's q4_1 x q8_1 / q8_0 x q8_0 scheme, the default on CPUs without AVX-512) or bf16 dot
-products (x and weights rounded to bf16, the default for a bfloat16 model on AVX512-BF16).
+llama.cpp's q4_1 x q8_1 / q8_0 x q8_0 scheme, an opt-in), bf16 dot products (x and weights
+rounded to bf16, the default for a bfloat16 model on AVX512-BF16 without AMX) or the same bf16
+roundings with the dot products on AMX tiles (:attr:`BlockLinear.amx`, a bfloat16 model on an AMX
+CPU).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _kernel():
 
 
 #: ``PD_BLOCK_DOT``'s arithmetics of the block kernels (see :func:`resolve_block_dot`).
-BLOCK_DOTS = ("float32", "int8", "bf16")
+BLOCK_DOTS = ("float32", "int8", "bf16", "amx")
 
 
 def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.dtype | None = None) -> str:
@@ -75,11 +77,11 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
       ``PD_DTYPE=auto`` picks there). On the AVX-512 EPYC (Zen 4 class) its loops run 1.3-2.4x
       the float32 ones from 4 rows up, and the engine decoded 1.6-1.8x the tokens/s at batch
       8-64 and prefilled 1.6-2.4x faster, as fast at batch 1;
-    * ``float32`` on an AMX Xeon (``amx_tile``; Sapphire Rapids class, 2026-12-03) even for a
-      bfloat16 model: there the same bf16 loops ran 0.58-0.91x the float32 ones at 1-128 rows,
-      and the engine decoded 1.15x faster at batch 1 and 1.06x at 8-64 with float32, prefill
-      equal (``pdserve bench block-kernel``, ``pdserve bench engine --quick``; docs/decisions.md,
-      "Issue 29's figures by machine class");
+    * ``amx`` on an AMX Xeon (``amx_tile`` and ``amx_bf16``; Sapphire Rapids class) when the
+      model computes in bfloat16: bf16's roundings with the dot products on AMX tiles. There the
+      bf16 register loops ran 0.58-0.91x the float32 ones at 1-128 rows (2026-12-03), while the
+      tiles run 4-6x them from 16 rows up (2026-12-05, ``pdserve bench block-kernel``;
+      docs/decisions.md, "Block matmuls on AMX tiles");
     * ``float32`` otherwise on AVX-512 (16-lane float32 loops, exact; the int8 loops measured
       slower there from 4 rows up).
 
@@ -100,8 +102,11 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
     flags = set(cpu_flags.split())
     if not {"avx512f", "avx512bw"} <= flags:
         return "float32"
-    bf16_wins = "avx512_bf16" in flags and "amx_tile" not in flags
-    return "bf16" if bf16_wins and dtype == torch.bfloat16 else "float32"
+    if dtype != torch.bfloat16:
+        return "float32"
+    if {"amx_tile", "amx_bf16"} <= flags:
+        return "amx"
+    return "bf16" if "avx512_bf16" in flags and "amx_tile" not in flags else "float32"
 
 
 def _kernel_has_bf16() -> bool:
@@ -115,11 +120,17 @@ def bf16_dot_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _kernel_has_bf16()
 
 
+def amx_dot_available(dtype: torch.dtype) -> bool:
+    """Whether ``PD_BLOCK_DOT=amx`` can apply: a model computing in ``dtype`` bfloat16 and a block
+    kernel built with AMX tiles on a CPU and Linux kernel that grant them (``has_amx``)."""
+    return dtype == torch.bfloat16 and bool(getattr(_kernel(), "has_amx", False))
+
+
 def effective_block_dot(setting: str, dtype: torch.dtype, device_type: str = "cpu") -> str:
     """The arithmetic the block kernels use for ``PD_BLOCK_DOT=setting`` in a model computing in
     ``dtype`` on ``device_type``: :func:`resolve_block_dot`, then ``float32`` off the CPU, and
-    ``float32`` (with a ``bf16_dot_unavailable`` warning) where ``bf16`` cannot apply (see
-    :func:`bf16_dot_available`). The engine, the quality gate and the benchmark's labels all
+    ``float32`` (with a ``bf16_dot_unavailable`` or ``amx_dot_unavailable`` warning) where
+    ``bf16`` or ``amx`` cannot apply (see :func:`bf16_dot_available`, :func:`amx_dot_available`). The engine, the quality gate and the benchmark's labels all
     resolve through here, so they agree.
 
     Raises:
@@ -131,23 +142,31 @@ def effective_block_dot(setting: str, dtype: torch.dtype, device_type: str = "cp
     if dot == "bf16" and not bf16_dot_available(dtype):
         log.warning("bf16_dot_unavailable", dtype=str(dtype).removeprefix("torch."), fallback="float32")
         return "float32"
+    if dot == "amx" and not amx_dot_available(dtype):
+        log.warning("amx_dot_unavailable", dtype=str(dtype).removeprefix("torch."), fallback="float32")
+        return "float32"
     return dot
 
 
 def set_block_dot(model: torch.nn.Module, dot: str) -> int:
     """Set the arithmetic of every :class:`BlockLinear` of ``model`` (one of :data:`BLOCK_DOTS`:
-    ``int8`` activations, ``bf16`` dot products, else float32); returns how many layers there
-    are.
+    ``int8`` activations, ``bf16`` dot products, ``amx`` tiles, else float32); returns how many
+    layers there are.
 
     Raises:
-        ValueError: ``bf16`` where the block kernel has no bf16 dot products.
+        ValueError: ``bf16`` where the block kernel has no bf16 dot products, ``amx`` where it
+            has no AMX tiles.
     """
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
     if dot == "bf16" and layers and not _kernel_has_bf16():
         raise ValueError("PD_BLOCK_DOT=bf16 needs a CPU with AVX512-BF16 (and the block kernel built)")
+    if dot == "amx" and layers and not getattr(_kernel(), "has_amx", False):
+        raise ValueError("PD_BLOCK_DOT=amx needs a CPU with AMX-BF16 tiles granted by the kernel (and the block "
+                         "kernel built)")
     for m in layers:
         m.int8 = dot == "int8"
         m.bf16 = dot == "bf16"
+        m.amx = dot == "amx"
     return len(layers)
 
 
@@ -171,12 +190,14 @@ class BlockLinear(torch.nn.Module):
     ``int8`` (attribute, default False; :func:`set_block_dot`): the kernel quantizes each row
     of ``x`` per 32 inputs to int8 and takes integer dot products (llama.cpp's q4_1 x q8_1
     scheme, ``PD_BLOCK_DOT=int8``). ``bf16`` (attribute, default False): ``x`` and the weights
-    rounded to bf16, bf16 dot products, float32 sums (``PD_BLOCK_DOT=bf16``). The de-quantized
-    float path (rows above :data:`KERNEL_MAX_ROWS`) is unaffected by either.
+    rounded to bf16, bf16 dot products, float32 sums (``PD_BLOCK_DOT=bf16``). ``amx`` (attribute,
+    default False): the same roundings, the dot products on AMX tiles (``PD_BLOCK_DOT=amx``). The
+    de-quantized float path (rows above :data:`KERNEL_MAX_ROWS`) is unaffected by any of them.
     """
 
     int8: bool = False
     bf16: bool = False
+    amx: bool = False
 
     def __init__(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                  bias: torch.Tensor | None = None):
@@ -218,7 +239,7 @@ class BlockLinear(torch.nn.Module):
         the built extension ``ext``: float32 ``[m, out]``, bias added. Each row's result is the
         same whatever the other rows."""
         kernel = ext.q4_linear if self.bits == 4 else ext.q8_linear
-        out = kernel(flat, self.codes, self.scale, self.minimum, bf16=self.bf16, int8=self.int8)
+        out = kernel(flat, self.codes, self.scale, self.minimum, bf16=self.bf16, int8=self.int8, amx=self.amx)
         return out + self.bias if self.bias is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

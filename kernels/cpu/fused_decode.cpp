@@ -11,7 +11,9 @@
 // (a bfloat16 model on an AVX512-BF16 CPU): their inputs and weights are rounded to bf16 and
 // multiplied with bf16 dot products accumulating in float32, or with int8 Blocks
 // (PD_BLOCK_DOT=int8): their inputs are quantized per 32 to int8 and multiplied with integer dot
-// products (quant_block.h); RMSNorm, RoPE, SiLU and the residuals stay float32.
+// products (quant_block.h), or with amx Blocks (PD_BLOCK_DOT=amx): bf16's roundings with the dot
+// products on AMX tiles, decode's single rows included; RMSNorm, RoPE, SiLU and the residuals stay
+// float32.
 //
 // Row independence: every row (token) of a step is computed on its own: RMSNorm, RoPE, SiLU
 // and the KV write per row, and the matmuls through pdq::block_rows (or block_rows_bf16, fixed
@@ -40,14 +42,16 @@ namespace {
 // chosen once per object (the model's compute dtype), never per call or per row count.
 struct Blocks {
   torch::Tensor codes, d, m;
-  bool q4, bf16, int8;
+  bool q4, bf16, int8, amx;
   int64_t N, K;
 
-  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits, bool bf16_ = false, bool int8_ = false)
+  Blocks(torch::Tensor codes_, torch::Tensor d_, torch::Tensor m_, int64_t bits, bool bf16_ = false, bool int8_ = false,
+         bool amx_ = false)
       : codes(codes_.contiguous()), d(d_.contiguous()), m(m_.contiguous()), q4(bits == 4),
-        bf16(bf16_ && pdq::kHasBf16), int8(int8_), N(codes_.size(0)), K(d_.size(1) * pdq::G) {
+        bf16(bf16_ && pdq::kHasBf16), int8(int8_), amx(amx_ && pdq::has_amx()), N(codes_.size(0)),
+        K(d_.size(1) * pdq::G) {
     TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-    TORCH_CHECK(!(bf16_ && int8_), "bf16 and int8 are two different arithmetics: choose one");
+    TORCH_CHECK(int(bf16_) + int(int8_) + int(amx_) <= 1, "bf16, int8 and amx are different arithmetics: choose one");
     TORCH_CHECK(codes.size(1) == (q4 ? K / 2 : K), "codes must be [N, K/2] (4-bit) or [N, K] (8-bit)");
     TORCH_CHECK(d.scalar_type() == torch::kFloat && d.size(0) == N, "d must be float32 [N, K/32]");
     TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.sizes() == d.sizes()), "m must be float32 [N, K/32]");
@@ -68,6 +72,19 @@ struct Blocks {
       });
       return;
     }
+#ifdef PDQ_AMX
+    if (amx) {
+      thread_local std::vector<uint16_t> xv;  // x rounded to bf16 once per call, as B tiles
+      if (q4) pdq::vnni_rows_bf16<true>(x, M, K, xv);
+      else pdq::vnni_rows_bf16<false>(x, M, K, xv);
+      const uint16_t* xp = xv.data();
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        if (q4) pdq::block_rows_amx<true>(xp, M, K, cp, dp, mp, n0, n1, y, ldy);
+        else pdq::block_rows_amx<false>(xp, M, K, cp, dp, mp, n0, n1, y, ldy);
+      });
+      return;
+    }
+#endif
 #ifdef PDQ_BF16
     if (bf16) {
       thread_local std::vector<uint16_t> xb;  // x rounded to bf16 once per call
@@ -215,10 +232,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   py::class_<Blocks>(mod, "Blocks")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool>(), py::arg("codes"), py::arg("d"),
-           py::arg("m"), py::arg("bits"), py::arg("bf16") = false, py::arg("int8") = false)
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool, bool>(), py::arg("codes"),
+           py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("bf16") = false, py::arg("int8") = false,
+           py::arg("amx") = false)
       .def_readonly("bf16", &Blocks::bf16, "True when this object multiplies with bf16 dot products")
-      .def_readonly("int8", &Blocks::int8, "True when this object quantizes its inputs to int8 (integer dot products)");
+      .def_readonly("int8", &Blocks::int8, "True when this object quantizes its inputs to int8 (integer dot products)")
+      .def_readonly("amx", &Blocks::amx, "True when this object multiplies on AMX tiles (bf16 roundings)");
   py::class_<DecodeLayer>(mod, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, Blocks, Blocks, Blocks, Blocks, int64_t, int64_t, int64_t>())
       .def("attn_in", &DecodeLayer::attn_in, py::call_guard<py::gil_scoped_release>(), "norm, QKV, RoPE, KV write; returns q [M, H, D]")
@@ -226,4 +245,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm per row (float32)");
   mod.attr("isa") = pdq::kIsa;
   mod.attr("has_bf16") = pdq::kHasBf16;  // the build has bf16 dot products (AVX512-BF16, or emulated)
+  mod.attr("has_amx") = pdq::has_amx();  // AMX tiles built and granted (PD_BLOCK_DOT=amx)
 }

@@ -34,6 +34,8 @@
 #pragma once
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -521,6 +523,293 @@ inline constexpr bool kHasBf16 =
 #else
     false;
 #endif
+
+// ---- AMX tiles (PD_BLOCK_DOT=amx) --------------------------------------------------------------
+// The bf16 arithmetic's roundings (Bf16Dot: each weight w = q d (+ m) in float32, then to bf16 to
+// nearest even; x to bf16 once per call) with the dot products on Intel AMX tiles (TDPBF16PS,
+// Intel SDM vol. 2; Sapphire Rapids and later): per 16 weight rows and 32-wide step of K, one A tile
+// holds the 16 rows' bf16 weights (rows as they are, no transpose), one B tile the step of up to 16
+// rows of x in the VNNI layout (pairs of K down, rows across; vnni_rows_bf16 lays them out once per
+// call), and one C tile of 16 x 16 float32 sums W x^T over K in order. An output is thus one chain
+// of TDPBF16PS steps over K whatever the call's shape: its bits do not depend on how many rows of x
+// the call has, where in a tile its row or weight row sits, or how the weight rows are split over
+// threads (tests/unit/test_quantized_weights.py checks each). The order of the products inside one
+// step is the hardware's: no register loop reproduces it (measured by
+// kernels/cpu/experiments/amx_probe.cpp), so a model using this arithmetic runs every row on the
+// tiles, decode's single rows included (quant_linear.cpp and fused_decode.cpp both do).
+#if defined(PDQ_BF16) && !defined(PDQ_BF16_EMULATE) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PDQ_AMX 1
+
+// Linux grants a process AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA = 18; the kernel's Documentation/arch/x86/xstate.rst); asked once per process.
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Palette 1, every tile 16 rows of 64 bytes: C 16 x 16 float32, A 16 x 32 bf16, B 16 pairs x 16 x 2.
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline const AmxConfig* amx_config() {
+  // static, not a local: GCC's _tile_loadconfig passes only the address to its asm, and stores
+  // into a local structure were dropped as dead (amx_probe.cpp)
+  static const AmxConfig config = [] {
+    AmxConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  return &config;
+}
+
+constexpr int64_t kAmxTile = 512;  // bf16 elements in one 16 x 64-byte tile
+
+// Where each element of a group of 32 sits in an A-tile row (position q holds element
+// amx_element<Q4>(q)), per block type. 4-bit: the order the codes unpack in without a shuffle
+// (amx_q4_codes): position 8 l + p holds nibble l of the group's 16-bit word p, element
+// 2 p + (l >= 2) + 16 (l odd). 8-bit: element order. B tiles take x in the same order
+// (vnni_rows_bf16), so a step still adds the products w_k x_k of its 32 elements.
+template <bool Q4>
+inline int amx_element(int q) {
+  if constexpr (Q4) return 2 * (q % 8) + (q / 16) + 16 * ((q / 8) % 2);
+  return q;
+}
+
+// The 32 weights of each of two 4-bit groups (codes c, c + 16; scales d[0..1], minimums m[0..1])
+// rounded to bf16 in amx_element<true>'s order: each group's 16 values q d + m (one FMA each, as
+// group_vectors) rounded once into one table of 32 (vcvtne2ps2bf16, as Bf16Dot::group's), and
+// looked up (vpermw) by codes unpacked with a variable shift per 128-bit lane instead of a
+// widening shuffle: a batch-1 decode step's weights are bound by these instructions.
+inline __m512i amx_q4_codes(const uint8_t* c) {
+  const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  const __m512i shift = _mm512_set_epi64(0x000C000C000C000Cll, 0x000C000C000C000Cll, 0x0008000800080008ll,
+                                         0x0008000800080008ll, 0x0004000400040004ll, 0x0004000400040004ll, 0, 0);
+  return _mm512_srlv_epi16(raw, shift);  // the position's nibble in bits 0..3 of each word
+}
+inline __m512 amx_q4_table(float d, float m) {
+  const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f,
+                                     15.f);
+  return _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));
+}
+inline void amx_q4_groups(const uint8_t* c, const float* d, const float* m, uint16_t* out0, uint16_t* out1) {
+  const __m512i table =
+      reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(amx_q4_table(d[1], m[1]), amx_q4_table(d[0], m[0])));
+  const __m512i low = _mm512_set1_epi16(0x0F), high = _mm512_set1_epi16(0x10);
+  const __m512i idx0 = _mm512_and_si512(amx_q4_codes(c), low);
+  const __m512i idx1 = _mm512_ternarylogic_epi32(amx_q4_codes(c + 16), low, high, 0xEA);  // (a & b) | c
+  _mm512_store_si512(out0, _mm512_permutexvar_epi16(idx0, table));
+  _mm512_store_si512(out1, _mm512_permutexvar_epi16(idx1, table));
+}
+// One group alone (a chunk's odd last step): the same bits.
+inline void amx_q4_group(const uint8_t* c, float d, float m, uint16_t* out) {
+  const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(amx_q4_table(d, m))));
+  const __m512i idx = _mm512_and_si512(amx_q4_codes(c), _mm512_set1_epi16(0x0F));
+  _mm512_store_si512(out, _mm512_permutexvar_epi16(idx, table));
+}
+
+// Rows of x [M float32, K] (K % 32 == 0) rounded to bf16 (to nearest even, as round_rows_bf16)
+// into B tiles for weights of block type Q4: rows in groups of 16, per group j and step t of K
+// one tile, xv[(j nt + t) 512 + 32 p + 2 r + e] = bf16(x[16 j + r][32 t + amx_element<Q4>(2 p +
+// e)]), nt = K / 32. The columns past row M of the last group are left as they were: a C tile's
+// column reads its own B column only, and those columns' sums are never read.
+template <bool Q4>
+inline void vnni_rows_bf16(const float* x, int64_t M, int64_t K, std::vector<uint16_t>& xv) {
+  const int64_t nt = K / G, nj = (M + 15) / 16;
+  if (xv.size() < static_cast<size_t>(nj * nt * kAmxTile)) xv.resize(static_cast<size_t>(nj * nt * kAmxTile));
+  alignas(64) int16_t order[G];
+  for (int q = 0; q < G; ++q) order[q] = static_cast<int16_t>(amx_element<Q4>(q));
+  const __m512i perm = _mm512_load_si512(order);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));  // dword p of a row goes to tile row p
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m512i row = _mm512_permutexvar_epi16(perm, reinterpret_cast<__m512i>(bpack(x + r * K + t * G)));
+      _mm512_i32scatter_epi32(xv.data() + ((r / 16) * nt + t) * kAmxTile + 2 * (r % 16), column, row, 4);
+    }
+}
+
+// Tile operations on tile numbers given as template arguments: GCC's AMX intrinsics paste their
+// argument into the assembly text, so each number must reach them as a literal.
+#define PDQ_T_IF(op, t, ...) if constexpr (T == t) op(t __VA_OPT__(,) __VA_ARGS__);
+#define PDQ_T_ALL(op, ...) PDQ_T_IF(op, 0, __VA_ARGS__) PDQ_T_IF(op, 1, __VA_ARGS__) PDQ_T_IF(op, 2, __VA_ARGS__) \
+  PDQ_T_IF(op, 3, __VA_ARGS__) PDQ_T_IF(op, 4, __VA_ARGS__) PDQ_T_IF(op, 5, __VA_ARGS__) PDQ_T_IF(op, 6, __VA_ARGS__) \
+  PDQ_T_IF(op, 7, __VA_ARGS__)
+template <int T> inline void tile_zero() { PDQ_T_ALL(_tile_zero) }
+template <int T> inline void tile_load(const void* p) { PDQ_T_ALL(_tile_loadd, p, 64) }
+template <int T> inline void tile_store(void* p) { PDQ_T_ALL(_tile_stored, p, 64) }
+#define PDQ_DP(c, a, b) if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
+#define PDQ_DP_B(c, a) PDQ_DP(c, a, 4) PDQ_DP(c, a, 5) PDQ_DP(c, a, 6) PDQ_DP(c, a, 7)
+#define PDQ_DP_A(c) PDQ_DP_B(c, 4) PDQ_DP_B(c, 5) PDQ_DP_B(c, 6) PDQ_DP_B(c, 7)
+// C tile (0..3) += A tile (4..7) times B tile (4..7), TDPBF16PS.
+template <int C, int A, int B> inline void tile_dp() { PDQ_DP_A(0) PDQ_DP_A(1) PDQ_DP_A(2) PDQ_DP_A(3) }
+#undef PDQ_DP_A
+#undef PDQ_DP_B
+#undef PDQ_DP
+#undef PDQ_T_ALL
+#undef PDQ_T_IF
+
+// f(std::integral_constant<int, i>{}) for i = 0 .. N - 1 in order (tile numbers must be immediates).
+template <int N, typename F>
+inline void static_for(F&& f) {
+  if constexpr (N > 0) {
+    static_for<N - 1>(f);
+    f(std::integral_constant<int, N - 1>{});
+  }
+}
+
+// Steps t0 .. t1 - 1 of the chains of NB blocks of 16 weight rows (A tiles: wt + (b kc + t - t0)
+// 512, the steps' weights as widened for this chunk) against JB groups of 16 rows of x (B tiles:
+// xv + (j nt + t) 512), NB JB <= 4, C tile b JB + j += A b times B j (TDPBF16PS). Several C tiles
+// keep several chains in flight: one chain waits out each step's latency (one block at a time ran
+// ~2x slower at one row of x). Tiles: C 0..NB JB - 1; B 4 (and 5); A the others, in turn.
+template <int NB, int JB>
+inline void amx_steps(const uint16_t* wt, int64_t kc, const uint16_t* xv, int64_t nt, int64_t t0, int64_t t1) {
+  static_assert(NB * JB <= 4 && (NB == 1 || JB <= 2), "at most four C tiles, and B tiles beside them");
+  for (int64_t t = t0; t < t1; ++t) {
+    if constexpr (NB == 1) {
+      tile_load<4>(wt + (t - t0) * kAmxTile);
+      static_for<JB>([&](auto jc) {
+        constexpr int j = decltype(jc)::value, tb = 5 + j % 2;
+        tile_load<tb>(xv + (j * nt + t) * kAmxTile);
+        tile_dp<j, 4, tb>();
+      });
+    } else {
+      static_for<JB>([&](auto jc) {
+        constexpr int j = decltype(jc)::value;
+        tile_load<4 + j>(xv + (j * nt + t) * kAmxTile);
+      });
+      static_for<NB>([&](auto bc) {
+        constexpr int b = decltype(bc)::value, ta = JB == 1 ? 5 + b % 3 : 6 + b % 2;
+        tile_load<ta>(wt + (b * kc + t - t0) * kAmxTile);
+        static_for<JB>([&](auto jc) {
+          constexpr int j = decltype(jc)::value;
+          tile_dp<b * JB + j, ta, 4 + j>();
+        });
+      });
+    }
+  }
+}
+
+// One block pass: weight rows [0, rows) (rows <= 16 NB; codes, d, m at the first) against JB
+// groups of 16 rows of x (xv), every output's chain over all nt steps of K in order:
+// c[(b JB + j) 256 + 16 i + r] = row 16 b + i of the weights times row 16 j + r of x. K goes in
+// chunks of one cache line of codes per weight row (kc steps): the chunk's weights are widened to
+// bf16 (the same values as Bf16Dot::group's) into wt [NB][kc][16][32], which stays in L1, and the
+// chunk's steps run at once, so widening and tile work overlap. `next` is where the codes after
+// these rows start (prefetched during the last chunk).
+template <bool Q4, int NB, int JB>
+inline void amx_block(const uint16_t* xv, int64_t nt, const uint8_t* codes, const float* d, const float* m,
+                      int64_t row_bytes, int rows, const uint8_t* next, uint16_t* wt, float* c) {
+  constexpr int64_t bytes = Q4 ? G / 2 : G, kc = 64 / bytes;
+  static_for<NB * JB>([&](auto ci) { tile_zero<decltype(ci)::value>(); });
+  for (int64_t t0 = 0; t0 < nt; t0 += kc) {
+    const int64_t t1 = std::min(nt, t0 + kc);
+    for (int i = 0; i < 16 * NB; ++i) {
+      uint16_t* wi = wt + (i / 16) * kc * kAmxTile + (i % 16) * G;
+      if (i >= rows) {  // rows past the end: zeros (their sums are never read)
+        for (int64_t t = t0; t < t1; ++t) std::memset(wi + (t - t0) * kAmxTile, 0, 2 * G);
+        continue;
+      }
+      const uint8_t* ci = codes + i * row_bytes;
+      const float* di = d + i * nt;
+      const float* mi = Q4 ? m + i * nt : di;
+      _mm_prefetch(reinterpret_cast<const char*>(t1 < nt ? ci + t1 * bytes : next + i * row_bytes), _MM_HINT_T0);
+      if (t0 % 16 == 0) {  // the scales and minimums, a line of 16 ahead
+        _mm_prefetch(reinterpret_cast<const char*>(di + t0 + 16), _MM_HINT_T0);
+        if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mi + t0 + 16), _MM_HINT_T0);
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        if constexpr (Q4) {
+          if (t + 1 < t1) {
+            amx_q4_groups(ci + t * bytes, di + t, mi + t, wi + (t - t0) * kAmxTile, wi + (t + 1 - t0) * kAmxTile);
+            ++t;
+          } else {
+            amx_q4_group(ci + t * bytes, di[t], mi[t], wi + (t - t0) * kAmxTile);
+          }
+        } else {
+          typename Bf16Dot::Wv w[1];
+          Bf16Dot::group<Q4>(ci, di, mi, t, w);
+          bstore(wi + (t - t0) * kAmxTile, w[0]);
+        }
+      }
+    }
+    amx_steps<NB, JB>(wt, kc, xv, nt, t0, t1);
+  }
+  static_for<NB * JB>([&](auto ci) { tile_store<decltype(ci)::value>(c + decltype(ci)::value * 256); });
+}
+
+// Weight rows [n0, n1) of the blocks against the M rows of x laid out by vnni_rows_bf16<Q4> (xv):
+// y[r * ldy + n], on AMX tiles (see above). Weight rows go in blocks of 16, rows of x in groups of
+// 16: up to 16 rows of x four blocks run side by side, up to 32 two, above that one block against
+// up to four groups at a time (its weights widened again for each further four). amx_permitted()
+// must have been true.
+template <bool Q4>
+inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                           const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (M <= 0 || n0 >= n1) return;
+  const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G, nj = (M + 15) / 16;
+  const int per = nj == 1 ? 4 : nj == 2 ? 2 : 1;  // blocks of weight rows side by side
+  alignas(64) uint16_t wt[4 * (Q4 ? 4 : 2) * kAmxTile];  // 16 KiB: one chunk's A tiles
+  alignas(64) float c[4 * 256];
+  _tile_loadconfig(amx_config());
+  for (int64_t n = n0; n < n1; n += 16 * per) {
+    const int rows = static_cast<int>(std::min<int64_t>(16 * per, n1 - n));
+    const int nb = (rows + 15) / 16;
+    const uint8_t* cn = codes + n * row_bytes;
+    const float* dn = d + n * ng;
+    const float* mn = Q4 ? m + n * ng : dn;
+    const uint8_t* next = cn + 16 * per * row_bytes;
+    for (int64_t j0 = 0; j0 < nj; j0 += 4) {
+      const int jb = per == 1 ? static_cast<int>(std::min<int64_t>(4, nj - j0)) : static_cast<int>(nj);
+      const uint16_t* xj = xv + j0 * ng * kAmxTile;
+      auto run = [&](auto nbc, auto jbc) {
+        amx_block<Q4, decltype(nbc)::value, decltype(jbc)::value>(xj, ng, cn, dn, mn, row_bytes, rows, next, wt, c);
+      };
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
+      using I3 = std::integral_constant<int, 3>;
+      using I4 = std::integral_constant<int, 4>;
+      if (per == 4) {
+        switch (nb) {
+          case 4: run(I4{}, I1{}); break;
+          case 3: run(I3{}, I1{}); break;
+          case 2: run(I2{}, I1{}); break;
+          default: run(I1{}, I1{}); break;
+        }
+      } else if (per == 2) {
+        if (nb == 2) run(I2{}, I2{});
+        else run(I1{}, I2{});
+      } else {
+        switch (jb) {
+          case 4: run(I1{}, I4{}); break;
+          case 3: run(I1{}, I3{}); break;
+          case 2: run(I1{}, I2{}); break;
+          default: run(I1{}, I1{}); break;
+        }
+      }
+      for (int b = 0; b < nb; ++b)
+        for (int jj = 0; jj < jb; ++jj)
+          for (int r = 0; r < 16 && (j0 + jj) * 16 + r < M; ++r) {
+            float* yr = y + ((j0 + jj) * 16 + r) * ldy + n + 16 * b;
+            const float* cb = c + (b * jb + jj) * 256 + r;
+            for (int i = 0; i < std::min(16, rows - 16 * b); ++i) yr[i] = cb[16 * i];
+          }
+    }
+  }
+  _tile_release();
+}
+#endif
+// True where PD_BLOCK_DOT=amx can run: built with AMX tiles and granted them by the OS.
+inline bool has_amx() {
+#ifdef PDQ_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // ---- int8 activations (PD_BLOCK_DOT=int8) ----------------------------------------------------
 // llama.cpp's scheme for 4- and 8-bit blocks (ggml-cpu's ggml_vec_dot_q4_1_q8_1 and

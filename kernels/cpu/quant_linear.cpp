@@ -12,7 +12,8 @@
 // bf16=True (builds with AVX512-BF16, has_bf16): x and the weights rounded to bf16 and bf16 dot
 // products (`vdpbf16ps`), the path of a bfloat16 model's fused decode step. int8=True: x
 // quantized per 32 inputs to int8 and integer dot products (llama.cpp's q4_1 x q8_1 scheme,
-// PD_BLOCK_DOT=int8; quant_block.h, block_rows_q8).
+// PD_BLOCK_DOT=int8; quant_block.h, block_rows_q8). amx=True (has_amx): bf16's roundings with the
+// dot products on AMX tiles (PD_BLOCK_DOT=amx; quant_block.h, block_rows_amx).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -27,7 +28,7 @@ using pdq::load_group;
 
 template <bool Q4>
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, bool bf16,
-                           bool int8) {
+                           bool int8, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % G == 0, "K must be a multiple of 32");
@@ -43,7 +44,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  TORCH_CHECK(!(bf16 && int8), "bf16 and int8 are two different arithmetics: choose one");
+  TORCH_CHECK(int(bf16) + int(int8) + int(amx) <= 1, "bf16, int8 and amx are different arithmetics: choose one");
+  TORCH_CHECK(!amx || pdq::has_amx(), "amx needs a build with AMX tiles on a CPU and kernel that grant them (has_amx)");
   TORCH_CHECK(!bf16 || pdq::kHasBf16, "bf16 dot products need a build with AVX512-BF16 (has_bf16)");
   if (int8) {
     thread_local pdq::RowsQ8 quantized;  // x quantized per 32 inputs, once per call
@@ -52,6 +54,18 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { pdq::block_rows_q8<Q4>(xr, M, K, cp, dp, mp, n0, n1, op, N); });
     return out;
   }
+#ifdef PDQ_AMX
+  if (amx) {
+    thread_local std::vector<uint16_t> xv;  // x rounded to bf16 once per call, as B tiles
+    if (Q4) pdq::vnni_rows_bf16<true>(xp, M, K, xv);
+    else pdq::vnni_rows_bf16<false>(xp, M, K, xv);
+    const uint16_t* xvp = xv.data();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      pdq::block_rows_amx<Q4>(xvp, M, K, cp, dp, mp, n0, n1, op, N);
+    });
+    return out;
+  }
+#endif
 #ifdef PDQ_BF16
   if (bf16) {
     std::vector<uint16_t> xb(static_cast<size_t>(M * K));  // x rounded to bf16 once per call
@@ -123,15 +137,16 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor w) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &block_linear<true>, py::call_guard<py::gil_scoped_release>(),
-          "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products; int8: x quantized per 32 inputs to int8, integer dot products",
-          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false, py::arg("int8") = false);
+          "x W^T, W as 4-bit GGUF blocks (w = q d + m), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products; int8: x quantized per 32 inputs to int8, integer dot products; amx: bf16's roundings, AMX tiles",
+          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false, py::arg("int8") = false, py::arg("amx") = false);
   mod.def("q8_linear", &block_linear<false>, py::call_guard<py::gil_scoped_release>(),
-          "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products; int8: x quantized per 32 inputs to int8, integer dot products",
-          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false, py::arg("int8") = false);
+          "x W^T, W as Q8_0 blocks (w = q d), x float32 [M, K]; bf16: x and W rounded to bf16, bf16 dot products; int8: x quantized per 32 inputs to int8, integer dot products; amx: bf16's roundings, AMX tiles",
+          py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bf16") = false, py::arg("int8") = false, py::arg("amx") = false);
   mod.def("q4_dequantize", &block_dequantize<true>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from 4-bit GGUF blocks");
   mod.def("q8_dequantize", &block_dequantize<false>, py::call_guard<py::gil_scoped_release>(), "float32 [N, K] from Q8_0 blocks");
   mod.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(),
           "x W^T, float32 weights, each row's bits independent of the row count");
   mod.attr("isa") = pdq::kIsa;
   mod.attr("has_bf16") = pdq::kHasBf16;  // bf16=True accepted (AVX512-BF16, or the emulated test build)
+  mod.attr("has_amx") = pdq::has_amx();  // amx=True accepted (AMX tiles built and granted by the OS)
 }

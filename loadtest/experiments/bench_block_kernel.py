@@ -1,11 +1,12 @@
 """Single-thread GFLOP/s of the GGUF block kernel (``kernels/cpu/quant_block.h``): its float32
 loops against its int8-activation loops (``int8=True``, ``PD_BLOCK_DOT=int8``) and its bf16
-dot-product loops (``bf16=True``, AVX512-BF16 only), interleaved in one run (ratios are what
-counts on a shared machine), per shape, row count and block type; and torch's GEMM (oneDNN;
-AMX tiles where the CPU has them) on a dense weight of the same shape in the machine's dtype
-(bf16 where the kernel has bf16 dot products, else float32), the rate issue 29 asks the block
-loops to reach (80 % of it at 64+ rows): the ``kernel/oneDNN`` column is the faster of the
-kernel's exact paths (float32, bf16) over it.
+dot-product loops (``bf16=True``, AVX512-BF16 only) and its AMX tiles (``amx=True``, AMX CPUs
+only), interleaved in one run (ratios are what counts on a shared machine), per shape, row count
+and block type; and torch's GEMM (oneDNN; AMX tiles where the CPU has them) on a dense weight of
+the same shape in the machine's dtype (bf16 where the kernel has bf16 dot products, else
+float32), the rate issue 29 asks the block loops to reach (80 % of it at 64+ rows): the
+``kernel/oneDNN`` column is the fastest of the kernel's batch-invariant paths (float32, bf16,
+amx) over it.
 
 ``python -m loadtest.experiments.bench_block_kernel [--rows 1,4,16,64] [--repeats 7] [--calls 30]``
 
@@ -60,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     ext = quant.load()
-    paths = ["float32", "int8", "bf16"] if ext.has_bf16 else ["float32", "int8"]
+    paths = ["float32", "int8"] + (["bf16"] if ext.has_bf16 else []) + (["amx"] if getattr(ext, "has_amx", False) else [])
     print(f"isa {ext.isa}, bf16 dot products: {'yes' if ext.has_bf16 else 'NO (this CPU lacks AVX512-BF16)'}, "
+          f"AMX tiles: {'yes' if getattr(ext, 'has_amx', False) else 'no'}, "
           f"{args.threads} thread(s), load average {_load()}")
     gen = torch.Generator().manual_seed(0)
     dense = torch.bfloat16 if ext.has_bf16 else torch.float32

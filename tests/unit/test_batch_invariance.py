@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model import fused_decode
 from engine.model.batch_invariant import invariant_linear
-from engine.model.quant import BlockLinear, bf16_dot_available
+from engine.model.quant import BlockLinear, amx_dot_available, bf16_dot_available
 from shared.messages import SamplingParams
 
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=42)
@@ -35,14 +35,16 @@ BLOCK_DOT = {"dot": "float32"}
 EMULATED = pytest.param("Q4_1 bf16-emulated", marks=[pytest.mark.slow, pytest.mark.timeout(1800)])
 
 
-@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8", "Q4_1 bf16", EMULATED])
+@pytest.fixture(scope="module", params=["float", "Q4_1", "Q4_1 int8", "Q4_1 bf16", "Q4_1 amx", EMULATED])
 def bf16_model(request, tiny_model_dir):
     """The tiny model in bfloat16 with float weights (the mode's unfused path) and with GGUF-style
     Q4_1 blocks (the default model's storage: every step through the fused per-row path), with
     the float32 block loops, with int8 activations (PD_BLOCK_DOT=int8, opt-in) and
-    with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs only; skipped
-    elsewhere), and the same through the test builds that emulate the AVX512-BF16 instructions
-    in scalar code (``PDQ_BF16_EMULATE``), so the engine's bf16 path runs on any CPU."""
+    with bf16 dot products (PD_BLOCK_DOT=bf16, auto for bfloat16 on AVX512-BF16 CPUs without AMX;
+    skipped elsewhere), on AMX tiles (PD_BLOCK_DOT=amx, auto for bfloat16 on AMX CPUs; skipped
+    elsewhere: no build emulates the tiles' order), and the same through the test builds that
+    emulate the AVX512-BF16 instructions in scalar code (``PDQ_BF16_EMULATE``), so the engine's
+    bf16 path runs on any CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.model.weights import quantize_float
@@ -62,6 +64,8 @@ def bf16_model(request, tiny_model_dir):
             assert bf16_dot_available(torch.bfloat16)
         elif BLOCK_DOT["dot"] == "bf16" and not bf16_dot_available(torch.bfloat16):
             pytest.skip("this CPU has no AVX512-BF16 (the 'bf16-emulated' case runs the same path)")
+        elif BLOCK_DOT["dot"] == "amx" and not amx_dot_available(torch.bfloat16):
+            pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
         yield model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -93,6 +97,7 @@ def make_engine(model, invariant=True, **overrides) -> LLMEngine:
         assert engine.runner.fused_all  # the case under test is the fused per-row path
         assert engine.runner.fused.int8 == (BLOCK_DOT["dot"] == "int8")
         assert engine.runner.fused.bf16 == (BLOCK_DOT["dot"] == "bf16")
+        assert engine.runner.fused.amx == (BLOCK_DOT["dot"] == "amx")
     return engine
 
 
@@ -484,12 +489,13 @@ def test_bf16_attention_non_finite_values_stay_where_they_belong(kind):
     assert torch.isfinite(ext.paged_decode_attention(q, k, v, table, torch.tensor([2]), 0.125, True)).all()
 
 
-@pytest.fixture(scope="module", params=["native", pytest.param("emulated", marks=[pytest.mark.slow,
-                                                                                  pytest.mark.timeout(1800)])])
+@pytest.fixture(scope="module", params=["native", "amx", pytest.param("emulated", marks=[pytest.mark.slow,
+                                                                                         pytest.mark.timeout(1800)])])
 def wide_bf16_model(request, tmp_path_factory):
     """A tiny model with head_dim 64 (the bf16 attention kernels take 64 and 128), Q4_1 blocks in
     bfloat16 with bf16 dot products (PD_BLOCK_DOT=bf16): natively on AVX512-BF16, or through the
-    test builds that emulate the instructions (block kernels and attention)."""
+    test builds that emulate the instructions (block kernels and attention); or on AMX tiles
+    (PD_BLOCK_DOT=amx, AMX CPUs only), whose attention takes the bf16 dot products too."""
     from transformers import AutoModelForCausalLM
 
     from engine.model.weights import quantize_float
@@ -502,12 +508,14 @@ def wide_bf16_model(request, tmp_path_factory):
                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
     assert quantize_float(model, "Q4_1")["int4"] > 0
     saved = BLOCK_DOT["dot"]
-    BLOCK_DOT["dot"] = "bf16"
+    BLOCK_DOT["dot"] = "amx" if request.param == "amx" else "bf16"
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "emulated":
             use_emulated_bf16_builds(mp, attention=True)
         elif not bf16_dot_available(torch.bfloat16) or not _attention_build("native").has_bf16:
             pytest.skip("this CPU has no AVX512-BF16 (the 'emulated' case runs the same path)")
+        elif request.param == "amx" and not amx_dot_available(torch.bfloat16):
+            pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
         try:
             yield model
         finally:

@@ -203,3 +203,37 @@ def test_bf16_dot_products_in_a_bfloat16_model_keep_rows_independent(tiny_model,
                                  torch.arange(1))
             assert torch.equal(alone[0], batch[row]), row
         assert torch.equal(cache.kv, kv_after_batch)
+
+
+def test_amx_tiles_in_a_bfloat16_model_keep_rows_independent(tiny_model):
+    """With PD_BLOCK_DOT=amx a bfloat16 model's fused step multiplies on AMX tiles (bf16's
+    roundings, the tiles' summation order), decode's single rows included: each token's logits
+    and KV entries are bit-identical alone or in the batch, and as close to the float32 loops
+    as the bf16 dot products are. AMX CPUs only (no build emulates the tiles' order)."""
+    from kernels.cpu import quant
+
+    ext = quant.load_fused()
+    if not ext.has_amx:
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
+    model = copy.deepcopy(tiny_model[0]).to(torch.bfloat16)
+    quantize_float(model, "Q4_1")
+    fused = fused_decode.FusedDecode(model, ext, amx=True)
+    assert fused.amx and not fused.bf16 and not fused.int8
+    cache, lens, ids, pos = random_decode_step(model.config, torch.bfloat16)
+    attention = kernels.select("cpu", "cpu", "bfloat16")
+    with torch.inference_mode():
+        meta = decode_meta(cache, lens, list(range(8)), attention)
+        float_dot = fused_decode.FusedDecode(model, ext, bf16=False).logits(ids, pos, meta, torch.arange(8))
+        bf16_dot = fused_decode.FusedDecode(model, ext).logits(ids, pos, meta, torch.arange(8))
+        batch = fused.logits(ids, pos, meta, torch.arange(8))
+        kv_after_batch = cache.kv.clone()
+        assert not torch.equal(batch, bf16_dot)  # the tiles ran, in their own order
+        err = ((batch - float_dot).norm() / float_dot.norm()).item()
+        bf16_err = ((bf16_dot - float_dot).norm() / float_dot.norm()).item()
+        print(f"relative error against the float32 loops: amx {err:.2e}, bf16 dot products {bf16_err:.2e}")
+        assert 0 < err <= 1.5 * bf16_err
+        for row in (0, 3, 7):
+            alone = fused.logits(ids[row:row + 1], pos[row:row + 1], decode_meta(cache, lens, [row], attention),
+                                 torch.arange(1))
+            assert torch.equal(alone[0], batch[row]), row
+        assert torch.equal(cache.kv, kv_after_batch)

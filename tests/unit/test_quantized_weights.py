@@ -39,18 +39,21 @@ def test_blocks_kept_exactly_and_multiplied_like_the_gguf_dequantization(qtype):
 
 
 def _kernel_ext(path: str):
-    """The quant_linear build for ``path`` (float32, bf16 on this CPU, bf16 emulated), or skip."""
+    """The quant_linear build for ``path`` (float32, bf16 on this CPU, bf16 emulated, amx), or skip."""
     from kernels.cpu import quant
 
     ext = quant.load(emulate_bf16=path == "bf16-emulated")
     if path == "bf16" and not ext.has_bf16:
         pytest.skip("this CPU has no AVX512-BF16 (the emulated build covers the same loops)")
+    if path == "amx" and not ext.has_amx:
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles; no build can emulate their order")
     return ext
 
 
-def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool, int8: bool = False) -> torch.Tensor:
+def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool, int8: bool = False,
+                 amx: bool = False) -> torch.Tensor:
     kernel = ext.q4_linear if layer.bits == 4 else ext.q8_linear
-    return kernel(x, layer.codes, layer.scale, layer.minimum, bf16=bf16, int8=int8)
+    return kernel(x, layer.codes, layer.scale, layer.minimum, bf16=bf16, int8=int8, amx=amx)
 
 
 @pytest.mark.timeout(900)  # the emulated build compiles an extension of its own
@@ -75,19 +78,19 @@ def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path)
     assert _kernel_rows(layer, x[:0], ext, bf16, int8).shape == (0, 30)
 
 
-@pytest.mark.parametrize("path", ["bf16", EMULATED])
+@pytest.mark.parametrize("path", ["bf16", EMULATED, "amx"])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
-    """bf16 dot products: x and the de-quantized weights rounded to bf16 as torch's
-    .to(bfloat16) does, the products summed in float32. Tolerances: float32 summation order
-    only (not rounding x or W would be off by ~1e-2 here)."""
+    """bf16 dot products (and the same roundings on AMX tiles): x and the de-quantized weights
+    rounded to bf16 as torch's .to(bfloat16) does, the products summed in float32. Tolerances:
+    float32 summation order only (not rounding x or W would be off by ~1e-2 here)."""
     ext = _kernel_ext(path)
     layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30, cols=256)))
     x = torch.randn(KERNEL_MAX_ROWS, 256, generator=torch.Generator().manual_seed(3))
     w = layer.dequantized().to(torch.bfloat16).double()
-    for rows in (1, 4, KERNEL_MAX_ROWS):
+    for rows in (1, 4, 17, KERNEL_MAX_ROWS):
         expected = (x[:rows].to(torch.bfloat16).double() @ w.T).float()
-        got = _kernel_rows(layer, x[:rows], ext, True)
+        got = _kernel_rows(layer, x[:rows], ext, path != "amx", amx=path == "amx")
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
         assert (got - (x[:rows] @ layer.dequantized().T)).abs().max() > 1e-3  # it did round
 
@@ -111,6 +114,34 @@ def test_bf16_instructions_give_the_bits_of_their_scalar_model(qtype):
         got = _kernel_rows(layer, x, native, True)
         want = _kernel_rows(layer, x, emulated, True)
         assert torch.equal(got, want), (rows, (got - want).abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_tiles_give_a_row_the_same_bits_wherever_it_sits(qtype):
+    """On AMX tiles a row of x is one B-tile column and a weight row one A-tile row, in tiles of
+    16, with four, two or one block of 16 weight rows side by side as the call has up to 16, 32
+    or more rows, and passes of four groups of 16 above 64: a row's bits must not depend on any
+    of it, on the weight rows' split (a first row at an odd offset, as threads may cut), nor on
+    a partial last block (100 weight rows). 12 groups of K: three chunks of 4-bit codes, six of
+    8-bit."""
+    ext = _kernel_ext("amx")
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=100, cols=384, seed=7)))
+    x = torch.randn(150, 384, generator=torch.Generator().manual_seed(8))
+    full = _kernel_rows(layer, x, ext, False, amx=True)
+    bf16 = _kernel_rows(layer, x, _kernel_ext("bf16"), True)
+    assert not torch.equal(full, bf16)  # the tiles ran, in an order of their own (not vdpbf16ps's)
+    torch.testing.assert_close(full, bf16, rtol=1e-5, atol=2e-5)
+    for rows in (1, 2, 5, 15, 16, 17, 31, 33, 64, 65, 80):
+        for start in (0, 7, 150 - rows):
+            part = _kernel_rows(layer, x[start:start + rows].contiguous(), ext, False, amx=True)
+            assert torch.equal(part, full[start:start + rows]), (rows, start)
+    perm = torch.randperm(150, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(_kernel_rows(layer, x[perm], ext, False, amx=True), full[perm])
+    tail = BlockLinear(layer.bits, layer.codes[5:], layer.scale[5:], layer.minimum[5:] if layer.bits == 4 else None)
+    assert torch.equal(_kernel_rows(tail, x[:3], ext, False, amx=True), full[:3, 5:])
+    assert _kernel_rows(layer, x[:0], ext, False, amx=True).shape == (0, 100)
+    with pytest.raises(RuntimeError, match="choose one"):
+        _kernel_rows(layer, x, ext, True, amx=True)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -148,9 +179,12 @@ def test_block_dot_auto_is_bf16_only_where_it_measured_faster_and_refuses_unknow
     assert resolve_block_dot("auto", bf16_cpu, dtype=torch.bfloat16) == "bf16"
     assert resolve_block_dot("auto", bf16_cpu, dtype=torch.float32) == "float32"
     assert resolve_block_dot("auto", "avx2 fma avx512f avx512bw", dtype=torch.bfloat16) == "float32"
-    # on an AMX Xeon the float32 loops measured faster than its bf16 dot products
-    assert resolve_block_dot("auto", bf16_cpu + " amx_bf16 amx_tile amx_int8", dtype=torch.bfloat16) == "float32"
-    for dot in ("float32", "int8", "bf16"):
+    # on an AMX Xeon the bf16 roundings on AMX tiles (its bf16 register loops measured slower)
+    amx_cpu = bf16_cpu + " amx_bf16 amx_tile amx_int8"
+    assert resolve_block_dot("auto", amx_cpu, dtype=torch.bfloat16) == "amx"
+    assert resolve_block_dot("auto", amx_cpu, dtype=torch.float32) == "float32"
+    assert resolve_block_dot("auto", bf16_cpu + " amx_tile amx_int8", dtype=torch.bfloat16) == "float32"
+    for dot in ("float32", "int8", "bf16", "amx"):
         assert resolve_block_dot(dot, "avx2 fma") == dot
     with pytest.raises(ValueError, match="PD_BLOCK_DOT"):
         resolve_block_dot("int4")
@@ -163,6 +197,15 @@ def test_bf16_kernel_refused_by_a_build_without_it():
     layer = BlockLinear.from_gguf(split_blocks("Q8_0", _blocks("Q8_0")))
     with pytest.raises(RuntimeError, match="AVX512-BF16"):
         _kernel_rows(layer, torch.randn(2, 96), ext, True)
+
+
+def test_amx_kernel_refused_by_a_build_without_it():
+    """The emulated test build has no AMX (nor does a CPU without tiles): amx=True is an error."""
+    ext = _kernel_ext("bf16-emulated") if _kernel_ext("float32").has_amx else _kernel_ext("float32")
+    assert not ext.has_amx
+    layer = BlockLinear.from_gguf(split_blocks("Q8_0", _blocks("Q8_0")))
+    with pytest.raises(RuntimeError, match="has_amx"):
+        _kernel_rows(layer, torch.randn(2, 96), ext, False, amx=True)
 
 
 def test_unpermute_matches_transformers_gguf_loader():
@@ -225,14 +268,14 @@ BOUNDS = {"Q8_0": (0.90, 1.02), "Q4_1": (0.30, 1.30)}
 INT8_BOUNDS = {"Q8_0": (0.85, 1.02), "Q4_1": (0.30, 1.30)}
 
 
-@pytest.mark.parametrize("dot", ["float32", "int8", "bf16"])
+@pytest.mark.parametrize("dot", ["float32", "int8", "bf16", "amx"])
 @pytest.mark.parametrize("qtype", sorted(BOUNDS))
 def test_quality_gate_on_tiny_model(tiny, qtype, dot):
     """Also with int8 activations (PD_BLOCK_DOT=int8) and bf16 dot products (PD_BLOCK_DOT=bf16,
-    AVX512-BF16 only): rounding x per 32 (or to bf16) adds less error than 4-bit weights (relative ~5e-3 per product, test_int8_activations_round_x_per_32_like_llama_cpp)."""
+    AVX512-BF16 only; amx, AMX tiles only): rounding x per 32 (or to bf16) adds less error than 4-bit weights (relative ~5e-3 per product, test_int8_activations_round_x_per_32_like_llama_cpp)."""
     folder, model, ids = tiny
-    if dot == "bf16":
-        _kernel_ext("bf16")  # skips without AVX512-BF16
+    if dot in ("bf16", "amx"):
+        _kernel_ext(dot)  # skips without AVX512-BF16 / AMX tiles
     quantized = quantized_copy(model, "float", folder, dot)
     counts = quantize_float(quantized, qtype)
     set_block_dot(quantized, dot)  # the layers quantize_float just made
@@ -324,6 +367,7 @@ def test_effective_block_dot_falls_back_where_bf16_cannot_apply(tiny):
     from engine.model.quant import bf16_dot_available, effective_block_dot
 
     assert effective_block_dot("bf16", torch.float32) == "float32"
+    assert effective_block_dot("amx", torch.float32) == "float32"
     assert effective_block_dot("auto", torch.bfloat16, "cuda") == "float32"
     assert effective_block_dot("int8", torch.float32) == "int8"
     here = "bf16" if bf16_dot_available(torch.bfloat16) else "float32"

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.model.quant import bf16_dot_available
+from engine.model.quant import effective_block_dot
 from engine.speculative import NgramProposer, SpeculativeConfig, Speculator, num_accepted
 from shared.messages import SamplingParams
 from shared.structured import schema_grammar
@@ -49,7 +49,7 @@ def model(request, tiny_model_dir):
 
 
 def make_engine(model, spec: SpeculativeConfig | None = None, tokenizer_dir=None, **overrides) -> LLMEngine:
-    dot = "bf16" if bf16_dot_available(torch.bfloat16) else "float32"  # what PD_BLOCK_DOT=auto picks
+    dot = effective_block_dot("auto", torch.bfloat16)  # what PD_BLOCK_DOT=auto picks here
     cfg = dict(model_id="tiny", block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=512,
                num_kv_blocks=512, block_dot=dot, speculative=spec or SpeculativeConfig())
     cfg.update(overrides)
