@@ -120,10 +120,15 @@ def bf16_dot_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _kernel_has_bf16()
 
 
+def _kernel_has_amx() -> bool:
+    """Whether the block kernel is built with AMX tiles on a CPU and Linux kernel that grant them."""
+    return bool(getattr(_kernel(), "has_amx", False))
+
+
 def amx_dot_available(dtype: torch.dtype) -> bool:
     """Whether ``PD_BLOCK_DOT=amx`` can apply: a model computing in ``dtype`` bfloat16 and a block
     kernel built with AMX tiles on a CPU and Linux kernel that grant them (``has_amx``)."""
-    return dtype == torch.bfloat16 and bool(getattr(_kernel(), "has_amx", False))
+    return dtype == torch.bfloat16 and _kernel_has_amx()
 
 
 def effective_block_dot(setting: str, dtype: torch.dtype, device_type: str = "cpu") -> str:
@@ -160,7 +165,7 @@ def set_block_dot(model: torch.nn.Module, dot: str) -> int:
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
     if dot == "bf16" and layers and not _kernel_has_bf16():
         raise ValueError("PD_BLOCK_DOT=bf16 needs a CPU with AVX512-BF16 (and the block kernel built)")
-    if dot == "amx" and layers and not getattr(_kernel(), "has_amx", False):
+    if dot == "amx" and layers and not _kernel_has_amx():
         raise ValueError("PD_BLOCK_DOT=amx needs a CPU with AMX-BF16 tiles granted by the kernel (and the block "
                          "kernel built)")
     for m in layers:
