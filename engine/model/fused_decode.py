@@ -43,6 +43,10 @@ log = get_logger(__name__)
 
 #: Token rows up to which a decode step runs fused (the block kernel's range, engine.model.quant).
 MAX_ROWS = 64
+#: Token rows per call of :meth:`FusedDecode.step_logits` on AMX tiles (``amx``): the kernel
+#: widens each weight block once per 256 rows of a call (kernels/cpu/quant_block.h,
+#: block_rows_amx), so prefill chunks go in calls of up to this many rows instead of 64.
+AMX_STEP_ROWS = 512
 
 
 def _stack(ext, layers: list[BlockLinear], bf16: bool = False, int8: bool = False, amx: bool = False):
@@ -113,6 +117,8 @@ class FusedDecode:
         self.bf16 = bool(bf16) and bool(getattr(ext, "has_bf16", False)) and not int8 and not self.amx
         #: True when the matmuls quantize their inputs to int8 (integer dot products)
         self.int8 = bool(int8)
+        #: token rows per call of step_logits (a row's bits do not depend on it)
+        self.step_rows = AMX_STEP_ROWS if self.amx else MAX_ROWS
         self.layers = []
         self.scales = []
         for layer in model.model.layers:
@@ -138,7 +144,8 @@ class FusedDecode:
 
     def hidden_rows(self, ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                     slots: torch.Tensor, cache, attention, runs: list | None = None) -> torch.Tensor:
-        """The final hidden states of ``M <= MAX_ROWS`` tokens, each one query over its own
+        """The final hidden states of ``M`` tokens (any number; decode steps pass at most
+        :data:`MAX_ROWS`, :meth:`step_logits` at most :attr:`step_rows`), each one query over its own
         context in the KV cache.
 
         Args:
@@ -184,7 +191,8 @@ class FusedDecode:
         queries, prefill chunks (with or without a cached prefix) or both.
 
         Every token is one query over its own context (positions ``0..pos``), and the step runs
-        as consecutive calls of at most :data:`MAX_ROWS` tokens in packed order (a sequence's
+        as consecutive calls of at most :attr:`step_rows` tokens (:data:`MAX_ROWS`, or
+        :data:`AMX_STEP_ROWS` on AMX tiles) in packed order (a sequence's
         earlier tokens are written to the KV cache before its later ones attend to them). Each
         token is thus computed by the same per-row code whether it is decoded, prefilled,
         re-prefilled after a worker's death or found beside any other tokens: the
@@ -195,10 +203,11 @@ class FusedDecode:
         # prefill runs to the tiled kernel only where it keeps the decode kernel's per-query
         # arithmetic (engine.model.batch_invariant.InvariantAttention); else one query per token
         tiled = getattr(meta.attention, "always_paged", False)
-        hidden = [self.hidden_rows(ids[s:s + MAX_ROWS], pos[s:s + MAX_ROWS], tables[s:s + MAX_ROWS],
-                                   lens[s:s + MAX_ROWS], meta.slot_mapping[s:s + MAX_ROWS], meta.kv_cache,
-                                   meta.attention, attention_runs(meta, s, min(s + MAX_ROWS, ids.shape[0])) if tiled else None)
-                  for s in range(0, ids.shape[0], MAX_ROWS)]
+        n = self.step_rows
+        hidden = [self.hidden_rows(ids[s:s + n], pos[s:s + n], tables[s:s + n], lens[s:s + n],
+                                   meta.slot_mapping[s:s + n], meta.kv_cache, meta.attention,
+                                   attention_runs(meta, s, min(s + n, ids.shape[0])) if tiled else None)
+                  for s in range(0, ids.shape[0], n)]
         return self._head(torch.cat(hidden)[keep])
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:

@@ -566,6 +566,8 @@ inline const AmxConfig* amx_config() {
 }
 
 constexpr int64_t kAmxTile = 512;  // bf16 elements in one 16 x 64-byte tile
+constexpr int64_t kAmxWideSteps = 8;  // steps of K per chunk above 64 rows (block_rows_amx)
+constexpr int64_t kAmxWideGroups = 16;  // groups of 16 rows of x per pass above 64 rows (block_rows_amx)
 
 // Where each element of a group of 32 sits in an A-tile row (position q holds element
 // amx_element<Q4>(q)), per block type. 4-bit: the order the codes unpack in without a shuffle
@@ -616,19 +618,27 @@ inline void amx_q4_group(const uint8_t* c, float d, float m, uint16_t* out) {
 // e)]), nt = K / 32. The columns past row M of the last group are left as they were: a C tile's
 // column reads its own B column only, and those columns' sums are never read.
 template <bool Q4>
-inline void vnni_rows_bf16(const float* x, int64_t M, int64_t K, std::vector<uint16_t>& xv) {
-  const int64_t nt = K / G, nj = (M + 15) / 16;
-  if (xv.size() < static_cast<size_t>(nj * nt * kAmxTile)) xv.resize(static_cast<size_t>(nj * nt * kAmxTile));
+inline void vnni_rows_bf16_range(const float* x, int64_t r0, int64_t r1, int64_t K, uint16_t* xv) {
+  const int64_t nt = K / G;
   alignas(64) int16_t order[G];
   for (int q = 0; q < G; ++q) order[q] = static_cast<int16_t>(amx_element<Q4>(q));
   const __m512i perm = _mm512_load_si512(order);
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));  // dword p of a row goes to tile row p
-  for (int64_t r = 0; r < M; ++r)
+  for (int64_t r = r0; r < r1; ++r)
     for (int64_t t = 0; t < nt; ++t) {
       const __m512i row = _mm512_permutexvar_epi16(perm, reinterpret_cast<__m512i>(bpack(x + r * K + t * G)));
-      _mm512_i32scatter_epi32(xv.data() + ((r / 16) * nt + t) * kAmxTile + 2 * (r % 16), column, row, 4);
+      _mm512_i32scatter_epi32(xv + ((r / 16) * nt + t) * kAmxTile + 2 * (r % 16), column, row, 4);
     }
+}
+
+// xv sized for M rows of K (nj nt tiles), then every row laid out (vnni_rows_bf16_range; a caller
+// may instead lay out ranges of rows on several threads: rows write disjoint elements).
+template <bool Q4>
+inline void vnni_rows_bf16(const float* x, int64_t M, int64_t K, std::vector<uint16_t>& xv, bool lay_out = true) {
+  const int64_t nt = K / G, nj = (M + 15) / 16;
+  if (xv.size() < static_cast<size_t>(nj * nt * kAmxTile)) xv.resize(static_cast<size_t>(nj * nt * kAmxTile));
+  if (lay_out) vnni_rows_bf16_range<Q4>(x, 0, M, K, xv.data());
 }
 
 // Tile operations on tile numbers given as template arguments: GCC's AMX intrinsics paste their
@@ -693,13 +703,51 @@ inline void amx_steps(const uint16_t* wt, int64_t kc, const uint16_t* xv, int64_
   }
 }
 
+// Steps t0 .. t1 - 1 of weight rows [0, rows) (rows <= 16 NB; codes, d, m at the first) widened to
+// bf16 (the same values as Bf16Dot::group's) as A tiles: wt + (b kc + t - t0) 512 holds block b's
+// step t, rows past `rows` zero (their sums are never read). `next` is where the codes after these
+// rows start (prefetched once the last step is reached).
+template <bool Q4, int NB>
+inline void amx_widen(const uint8_t* codes, const float* d, const float* m, int64_t row_bytes, int64_t nt,
+                      int rows, const uint8_t* next, int64_t t0, int64_t t1, int64_t kc, uint16_t* wt) {
+  constexpr int64_t bytes = Q4 ? G / 2 : G;
+  for (int i = 0; i < 16 * NB; ++i) {
+    uint16_t* wi = wt + (i / 16) * kc * kAmxTile + (i % 16) * G;
+    if (i >= rows) {
+      for (int64_t t = t0; t < t1; ++t) std::memset(wi + (t - t0) * kAmxTile, 0, 2 * G);
+      continue;
+    }
+    const uint8_t* ci = codes + i * row_bytes;
+    const float* di = d + i * nt;
+    const float* mi = Q4 ? m + i * nt : di;
+    _mm_prefetch(reinterpret_cast<const char*>(t1 < nt ? ci + t1 * bytes : next + i * row_bytes), _MM_HINT_T0);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t % 16 == 0) {  // the scales and minimums, a line of 16 ahead
+        _mm_prefetch(reinterpret_cast<const char*>(di + t + 16), _MM_HINT_T0);
+        if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mi + t + 16), _MM_HINT_T0);
+      }
+      if constexpr (Q4) {
+        if (t + 1 < t1) {
+          amx_q4_groups(ci + t * bytes, di + t, mi + t, wi + (t - t0) * kAmxTile, wi + (t + 1 - t0) * kAmxTile);
+          ++t;
+        } else {
+          amx_q4_group(ci + t * bytes, di[t], mi[t], wi + (t - t0) * kAmxTile);
+        }
+      } else {
+        typename Bf16Dot::Wv w[1];
+        Bf16Dot::group<Q4>(ci, di, mi, t, w);
+        bstore(wi + (t - t0) * kAmxTile, w[0]);
+      }
+    }
+  }
+}
+
 // One block pass: weight rows [0, rows) (rows <= 16 NB; codes, d, m at the first) against JB
 // groups of 16 rows of x (xv), every output's chain over all nt steps of K in order:
 // c[(b JB + j) 256 + 16 i + r] = row 16 b + i of the weights times row 16 j + r of x. K goes in
-// chunks of one cache line of codes per weight row (kc steps): the chunk's weights are widened to
-// bf16 (the same values as Bf16Dot::group's) into wt [NB][kc][16][32], which stays in L1, and the
-// chunk's steps run at once, so widening and tile work overlap. `next` is where the codes after
-// these rows start (prefetched during the last chunk).
+// chunks of one cache line of codes per weight row (kc steps): the chunk's weights are widened
+// (amx_widen) into wt [NB][kc][16][32], which stays in L1, and the chunk's steps run at once, so
+// widening and tile work overlap.
 template <bool Q4, int NB, int JB>
 inline void amx_block(const uint16_t* xv, int64_t nt, const uint8_t* codes, const float* d, const float* m,
                       int64_t row_bytes, int rows, const uint8_t* next, uint16_t* wt, float* c) {
@@ -707,54 +755,98 @@ inline void amx_block(const uint16_t* xv, int64_t nt, const uint8_t* codes, cons
   static_for<NB * JB>([&](auto ci) { tile_zero<decltype(ci)::value>(); });
   for (int64_t t0 = 0; t0 < nt; t0 += kc) {
     const int64_t t1 = std::min(nt, t0 + kc);
-    for (int i = 0; i < 16 * NB; ++i) {
-      uint16_t* wi = wt + (i / 16) * kc * kAmxTile + (i % 16) * G;
-      if (i >= rows) {  // rows past the end: zeros (their sums are never read)
-        for (int64_t t = t0; t < t1; ++t) std::memset(wi + (t - t0) * kAmxTile, 0, 2 * G);
-        continue;
-      }
-      const uint8_t* ci = codes + i * row_bytes;
-      const float* di = d + i * nt;
-      const float* mi = Q4 ? m + i * nt : di;
-      _mm_prefetch(reinterpret_cast<const char*>(t1 < nt ? ci + t1 * bytes : next + i * row_bytes), _MM_HINT_T0);
-      if (t0 % 16 == 0) {  // the scales and minimums, a line of 16 ahead
-        _mm_prefetch(reinterpret_cast<const char*>(di + t0 + 16), _MM_HINT_T0);
-        if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mi + t0 + 16), _MM_HINT_T0);
-      }
-      for (int64_t t = t0; t < t1; ++t) {
-        if constexpr (Q4) {
-          if (t + 1 < t1) {
-            amx_q4_groups(ci + t * bytes, di + t, mi + t, wi + (t - t0) * kAmxTile, wi + (t + 1 - t0) * kAmxTile);
-            ++t;
-          } else {
-            amx_q4_group(ci + t * bytes, di[t], mi[t], wi + (t - t0) * kAmxTile);
-          }
-        } else {
-          typename Bf16Dot::Wv w[1];
-          Bf16Dot::group<Q4>(ci, di, mi, t, w);
-          bstore(wi + (t - t0) * kAmxTile, w[0]);
-        }
-      }
-    }
+    amx_widen<Q4, NB>(codes, d, m, row_bytes, nt, rows, next, t0, t1, kc, wt);
     amx_steps<NB, JB>(wt, kc, xv, nt, t0, t1);
   }
   static_for<NB * JB>([&](auto ci) { tile_store<decltype(ci)::value>(c + decltype(ci)::value * 256); });
 }
 
+// Steps t0 .. t1 - 1 of the chains of NB blocks of weight rows, widened for all of K (A tiles:
+// wt + (b nt + t) 512, as amx_widen lays them out with t0 = 0 and kc = nt), against JB groups of
+// 16 rows of x: the C tiles start from zero at t0 = 0, else from the float32 sums c holds (stored
+// by the previous steps: exact, so an output is the same chain over K in order as amx_block's),
+// and are stored back to c as amx_block stores them.
+template <int NB, int JB>
+inline void amx_chain_steps(const uint16_t* wt, const uint16_t* xv, int64_t nt, int64_t t0, int64_t t1, float* c) {
+  if (t0 == 0) static_for<NB * JB>([&](auto ci) { tile_zero<decltype(ci)::value>(); });
+  else static_for<NB * JB>([&](auto ci) { tile_load<decltype(ci)::value>(c + decltype(ci)::value * 256); });
+  amx_steps<NB, JB>(wt + t0 * kAmxTile, nt, xv, nt, t0, t1);
+  static_for<NB * JB>([&](auto ci) { tile_store<decltype(ci)::value>(c + decltype(ci)::value * 256); });
+}
+
 // Weight rows [n0, n1) of the blocks against the M rows of x laid out by vnni_rows_bf16<Q4> (xv):
 // y[r * ldy + n], on AMX tiles (see above). Weight rows go in blocks of 16, rows of x in groups of
-// 16: up to 16 rows of x four blocks run side by side, up to 32 two, above that one block against
-// up to four groups at a time (its weights widened again for each further four). amx_permitted()
-// must have been true.
+// 16. Up to 64 rows of x (decode's steps, speculation's verify rows): up to 16 rows four blocks
+// run side by side, up to 32 two, above that one block against up to four groups, K in chunks
+// widened as it goes (amx_block). Above 64 rows (prefill): x goes in passes of kAmxWideGroups
+// groups (256 rows: 768 KiB of B tiles at K = 1,536, kept in L2); per pass, each two blocks'
+// weights are widened once for all of K (96 KiB at K = 1,536), so the widening is paid once per
+// 256 rows, not once per 64; then K runs in chunks of kAmxWideSteps steps, every pair of groups
+// of the pass against the chunk (2 x 2 C tiles), the float32 sums stored between chunks (exact).
+// Either way each output is the same chain over K in order: the bits do not depend on M.
+// Measured on the AMX Xeon (SmolLM2's MLP shapes, 2 threads, medians of 5 interleaved runs, in
+// GFLOP/s): at 512 and 2,048 rows, passes of 256 rows 1.13-1.34x the same rows in 64-row calls;
+// passes of 64 or 128 rows, or one pass of all rows, slower (all of x no longer stays in L2).
+// amx_permitted() must have been true.
 template <bool Q4>
 inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8_t* codes, const float* d,
                            const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (M <= 0 || n0 >= n1) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G, nj = (M + 15) / 16;
+  alignas(64) float c[4 * 256];
+  // c's sums of blocks [0, nb) against groups j0 .. j0 + jb - 1 into y (weight rows from n)
+  auto scatter = [&](const float* cs, int64_t n, int rows, int nb, int64_t j0, int jb) {
+    for (int b = 0; b < nb; ++b)
+      for (int jj = 0; jj < jb; ++jj)
+        for (int r = 0; r < 16 && (j0 + jj) * 16 + r < M; ++r) {
+          float* yr = y + ((j0 + jj) * 16 + r) * ldy + n + 16 * b;
+          const float* cb = cs + (b * jb + jj) * 256 + r;
+          for (int i = 0; i < std::min(16, rows - 16 * b); ++i) yr[i] = cb[16 * i];
+        }
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I3 = std::integral_constant<int, 3>;
+  using I4 = std::integral_constant<int, 4>;
+  _tile_loadconfig(amx_config());
+  if (nj > 4) {
+    // the A tiles of two blocks for all of K, 64-byte aligned (amx_q4_groups' aligned stores)
+    std::vector<__m512i> lines(static_cast<size_t>(2 * ng * kAmxTile / 32));
+    uint16_t* wide = reinterpret_cast<uint16_t*>(lines.data());
+    std::vector<__m512i> sum_lines(static_cast<size_t>((std::min(nj, kAmxWideGroups) + 1) / 2 * 4 * 256 / 16));
+    float* sums = reinterpret_cast<float*>(sum_lines.data());
+    for (int64_t g0 = 0; g0 < nj; g0 += kAmxWideGroups) {  // x in passes of 256 rows, kept in L2
+      const int64_t g1 = std::min(nj, g0 + kAmxWideGroups);
+      for (int64_t n = n0; n < n1; n += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, n1 - n));
+        const int nb = (rows + 15) / 16;
+        const uint8_t* cn = codes + n * row_bytes;
+        const float* dn = d + n * ng;
+        const float* mn = Q4 ? m + n * ng : dn;
+        amx_widen<Q4, 2>(cn, dn, mn, row_bytes, ng, rows, cn + 32 * row_bytes, 0, ng, ng, wide);
+        // K in chunks of kAmxWideSteps steps (the two blocks' 16 KiB of A tiles stay in L1 while
+        // every group of x passes), each pair of groups' sums kept in sums between chunks
+        for (int64_t t0 = 0; t0 < ng; t0 += kAmxWideSteps) {
+          const int64_t t1 = std::min(ng, t0 + kAmxWideSteps);
+          for (int64_t j0 = g0; j0 < g1; j0 += 2) {
+            const int jb = static_cast<int>(std::min<int64_t>(2, g1 - j0));
+            const uint16_t* xj = xv + j0 * ng * kAmxTile;
+            float* cj = sums + ((j0 - g0) / 2) * 4 * 256;
+            if (nb == 2 && jb == 2) amx_chain_steps<2, 2>(wide, xj, ng, t0, t1, cj);
+            else if (nb == 2) amx_chain_steps<2, 1>(wide, xj, ng, t0, t1, cj);
+            else if (jb == 2) amx_chain_steps<1, 2>(wide, xj, ng, t0, t1, cj);
+            else amx_chain_steps<1, 1>(wide, xj, ng, t0, t1, cj);
+          }
+        }
+        for (int64_t j0 = g0; j0 < g1; j0 += 2)
+          scatter(sums + ((j0 - g0) / 2) * 4 * 256, n, rows, nb, j0, static_cast<int>(std::min<int64_t>(2, g1 - j0)));
+      }
+    }
+    _tile_release();
+    return;
+  }
   const int per = nj == 1 ? 4 : nj == 2 ? 2 : 1;  // blocks of weight rows side by side
   alignas(64) uint16_t wt[4 * (Q4 ? 4 : 2) * kAmxTile];  // 16 KiB: one chunk's A tiles
-  alignas(64) float c[4 * 256];
-  _tile_loadconfig(amx_config());
   for (int64_t n = n0; n < n1; n += 16 * per) {
     const int rows = static_cast<int>(std::min<int64_t>(16 * per, n1 - n));
     const int nb = (rows + 15) / 16;
@@ -762,42 +854,28 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
     const float* dn = d + n * ng;
     const float* mn = Q4 ? m + n * ng : dn;
     const uint8_t* next = cn + 16 * per * row_bytes;
-    for (int64_t j0 = 0; j0 < nj; j0 += 4) {
-      const int jb = per == 1 ? static_cast<int>(std::min<int64_t>(4, nj - j0)) : static_cast<int>(nj);
-      const uint16_t* xj = xv + j0 * ng * kAmxTile;
-      auto run = [&](auto nbc, auto jbc) {
-        amx_block<Q4, decltype(nbc)::value, decltype(jbc)::value>(xj, ng, cn, dn, mn, row_bytes, rows, next, wt, c);
-      };
-      using I1 = std::integral_constant<int, 1>;
-      using I2 = std::integral_constant<int, 2>;
-      using I3 = std::integral_constant<int, 3>;
-      using I4 = std::integral_constant<int, 4>;
-      if (per == 4) {
-        switch (nb) {
-          case 4: run(I4{}, I1{}); break;
-          case 3: run(I3{}, I1{}); break;
-          case 2: run(I2{}, I1{}); break;
-          default: run(I1{}, I1{}); break;
-        }
-      } else if (per == 2) {
-        if (nb == 2) run(I2{}, I2{});
-        else run(I1{}, I2{});
-      } else {
-        switch (jb) {
-          case 4: run(I1{}, I4{}); break;
-          case 3: run(I1{}, I3{}); break;
-          case 2: run(I1{}, I2{}); break;
-          default: run(I1{}, I1{}); break;
-        }
+    const int jb = static_cast<int>(nj);
+    auto run = [&](auto nbc, auto jbc) {
+      amx_block<Q4, decltype(nbc)::value, decltype(jbc)::value>(xv, ng, cn, dn, mn, row_bytes, rows, next, wt, c);
+    };
+    if (per == 4) {
+      switch (nb) {
+        case 4: run(I4{}, I1{}); break;
+        case 3: run(I3{}, I1{}); break;
+        case 2: run(I2{}, I1{}); break;
+        default: run(I1{}, I1{}); break;
       }
-      for (int b = 0; b < nb; ++b)
-        for (int jj = 0; jj < jb; ++jj)
-          for (int r = 0; r < 16 && (j0 + jj) * 16 + r < M; ++r) {
-            float* yr = y + ((j0 + jj) * 16 + r) * ldy + n + 16 * b;
-            const float* cb = c + (b * jb + jj) * 256 + r;
-            for (int i = 0; i < std::min(16, rows - 16 * b); ++i) yr[i] = cb[16 * i];
-          }
+    } else if (per == 2) {
+      if (nb == 2) run(I2{}, I2{});
+      else run(I1{}, I2{});
+    } else {
+      switch (jb) {
+        case 4: run(I1{}, I4{}); break;
+        case 3: run(I1{}, I3{}); break;
+        default: run(I1{}, I2{}); break;  // nj is 3 or 4 here
+      }
     }
+    scatter(c, n, rows, nb, 0, jb);
   }
   _tile_release();
 }

@@ -329,7 +329,9 @@ def test_tiled_prefill_attention_equals_decode_queries(kv_dtype):
 
 
 def test_long_prompt_chunked_at_tile_and_block_edges(bf16_model, monkeypatch):
-    """A prompt longer than a fused call (64 rows) and than the kernel's tiles, prefilled whole,
+    """A prompt longer than a fused call (64 rows; on AMX tiles 512, where the block kernel
+    takes its path for more than 64 rows: whole against chunks of 65 and 97 rows and against
+    the rest under 64) and than the kernel's tiles, prefilled whole,
     in chunks that cut calls, tiles and blocks at odd places, and with a prefix hit: the same
     tokens and the same logits bytes."""
     model, _ = bf16_model
@@ -487,53 +489,3 @@ def test_bf16_attention_non_finite_values_stay_where_they_belong(kind):
     assert bf16[0, 0].isnan().all() and torch.isfinite(bf16[0, 1]).all()
     assert torch.equal(bf16.isnan(), f32.isnan())
     assert torch.isfinite(ext.paged_decode_attention(q, k, v, table, torch.tensor([2]), 0.125, True)).all()
-
-
-@pytest.fixture(scope="module", params=["native", "amx", pytest.param("emulated", marks=[pytest.mark.slow,
-                                                                                         pytest.mark.timeout(1800)])])
-def wide_bf16_model(request, tmp_path_factory):
-    """A tiny model with head_dim 64 (the bf16 attention kernels take 64 and 128), Q4_1 blocks in
-    bfloat16 with bf16 dot products (PD_BLOCK_DOT=bf16): natively on AVX512-BF16, or through the
-    test builds that emulate the instructions (block kernels and attention); or on AMX tiles
-    (PD_BLOCK_DOT=amx, AMX CPUs only), whose attention takes the bf16 dot products too."""
-    from transformers import AutoModelForCausalLM
-
-    from engine.model.weights import quantize_float
-    from engine.model_runner import ATTN_IMPLEMENTATION, register_attention
-    from tests.tiny_model import build_tiny_model
-
-    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "wide-llama", hidden=128, heads=2, kv_heads=1)
-    register_attention()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
-                                                 attn_implementation=ATTN_IMPLEMENTATION).eval()
-    assert quantize_float(model, "Q4_1")["int4"] > 0
-    saved = BLOCK_DOT["dot"]
-    BLOCK_DOT["dot"] = "amx" if request.param == "amx" else "bf16"
-    with pytest.MonkeyPatch.context() as mp:
-        if request.param == "emulated":
-            use_emulated_bf16_builds(mp, attention=True)
-        elif not bf16_dot_available(torch.bfloat16) or not _attention_build("native").has_bf16:
-            pytest.skip("this CPU has no AVX512-BF16 (the 'emulated' case runs the same path)")
-        elif request.param == "amx" and not amx_dot_available(torch.bfloat16):
-            pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
-        try:
-            yield model
-        finally:
-            BLOCK_DOT["dot"] = saved
-
-
-def test_bf16_attention_in_the_engine_alone_beside_chunked_and_after_a_prefix_hit(wide_bf16_model, monkeypatch):
-    """The engine with bf16 dot products in its linears takes them for attention too, and a
-    request's tokens and logits bytes stay those of the request alone: beside decodes and long
-    prefills, prefilled in chunks that cut tiles, blocks and 128-key spans, after a prefix hit."""
-    model = wide_bf16_model
-    vocab = model.config.vocab_size
-    engine = make_engine(model)
-    assert engine.runner.attention.bf16 and engine.runner.attention.__name__.endswith("+bf16")
-    target, prompt = prompts([13, 300], vocab, seed=21)
-    alone = run(engine, [(0, "g", target, GREEDY)], monkeypatch)["g"]
-    others = prompts([3, 8, 40], vocab, seed=22)
-    reqs = [(0, "g", target, GREEDY), (2, "long", prompt, GREEDY)]
-    reqs += [(i, f"d{i}", p, SamplingParams(max_tokens=5, temperature=0.0)) for i, p in enumerate(others)]
-    assert run(make_engine(model), reqs, monkeypatch)["g"] == alone
-    assert_chunked_and_prefix_hit_equal_whole(model, prompt, (65, 129), 150, monkeypatch)

@@ -86,9 +86,9 @@ def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
     float32 summation order only (not rounding x or W would be off by ~1e-2 here)."""
     ext = _kernel_ext(path)
     layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=30, cols=256)))
-    x = torch.randn(KERNEL_MAX_ROWS, 256, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(160, 256, generator=torch.Generator().manual_seed(3))
     w = layer.dequantized().to(torch.bfloat16).double()
-    for rows in (1, 4, 17, KERNEL_MAX_ROWS):
+    for rows in (1, 4, 17, KERNEL_MAX_ROWS, 160):
         expected = (x[:rows].to(torch.bfloat16).double() @ w.T).float()
         got = _kernel_rows(layer, x[:rows], ext, path != "amx", amx=path == "amx")
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
@@ -120,8 +120,8 @@ def test_bf16_instructions_give_the_bits_of_their_scalar_model(qtype):
 def test_amx_tiles_give_a_row_the_same_bits_wherever_it_sits(qtype):
     """On AMX tiles a row of x is one B-tile column and a weight row one A-tile row, in tiles of
     16, with four, two or one block of 16 weight rows side by side as the call has up to 16, 32
-    or more rows, and passes of four groups of 16 above 64: a row's bits must not depend on any
-    of it, on the weight rows' split (a first row at an odd offset, as threads may cut), nor on
+    or 64 rows, and above 64 rows (prefill) two blocks widened once for all of K and run against
+    the groups two at a time: a row's bits must not depend on any of it, on the weight rows' split (a first row at an odd offset, as threads may cut), nor on
     a partial last block (100 weight rows). 12 groups of K: three chunks of 4-bit codes, six of
     8-bit."""
     ext = _kernel_ext("amx")
@@ -131,14 +131,15 @@ def test_amx_tiles_give_a_row_the_same_bits_wherever_it_sits(qtype):
     bf16 = _kernel_rows(layer, x, _kernel_ext("bf16"), True)
     assert not torch.equal(full, bf16)  # the tiles ran, in an order of their own (not vdpbf16ps's)
     torch.testing.assert_close(full, bf16, rtol=1e-5, atol=2e-5)
-    for rows in (1, 2, 5, 15, 16, 17, 31, 33, 64, 65, 80):
+    for rows in (1, 2, 5, 15, 16, 17, 31, 33, 64, 65, 80, 97, 129):
         for start in (0, 7, 150 - rows):
             part = _kernel_rows(layer, x[start:start + rows].contiguous(), ext, False, amx=True)
             assert torch.equal(part, full[start:start + rows]), (rows, start)
     perm = torch.randperm(150, generator=torch.Generator().manual_seed(9))
     assert torch.equal(_kernel_rows(layer, x[perm], ext, False, amx=True), full[perm])
     tail = BlockLinear(layer.bits, layer.codes[5:], layer.scale[5:], layer.minimum[5:] if layer.bits == 4 else None)
-    assert torch.equal(_kernel_rows(tail, x[:3], ext, False, amx=True), full[:3, 5:])
+    for rows in (3, 150):
+        assert torch.equal(_kernel_rows(tail, x[:rows], ext, False, amx=True), full[:rows, 5:])
     assert _kernel_rows(layer, x[:0], ext, False, amx=True).shape == (0, 100)
     with pytest.raises(RuntimeError, match="choose one"):
         _kernel_rows(layer, x, ext, True, amx=True)
