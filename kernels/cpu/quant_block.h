@@ -869,11 +869,8 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
       if (nb == 2) run(I2{}, I2{});
       else run(I1{}, I2{});
     } else {
-      switch (jb) {
-        case 4: run(I1{}, I4{}); break;
-        case 3: run(I1{}, I3{}); break;
-        default: run(I1{}, I2{}); break;  // nj is 3 or 4 here
-      }
+      if (jb == 4) run(I1{}, I4{});  // nj is 3 or 4 here (more takes the path above)
+      else run(I1{}, I3{});
     }
     scatter(c, n, rows, nb, 0, jb);
   }
