@@ -155,18 +155,21 @@ class InvariantAttention:
         base: the selected attention module (``kernels.cpu`` or the reference).
         bf16: q.k and p.v as bf16 dot products (``kernels/cpu/paged_attention.cpp``, ``bfa``),
             for a bfloat16 cache on a build with them (``has_bf16``); see :func:`attention_bf16`.
+        amx: the same roundings with q.k and p.v on AMX tiles (``amxa``: its own bits, the same in
+            decode and prefill), where the block kernels use them; see :func:`attention_amx`.
     """
 
     #: tells ``engine.model_runner.paged_attention_forward`` to send chunks without a cached
     #: prefix here too (not to its dense causal path)
     always_paged = True
 
-    def __init__(self, base, bf16: bool = False):
+    def __init__(self, base, bf16: bool = False, amx: bool = False):
         self.base = base
         self._per_token = base.__name__ != "kernels.cpu"  # the reference batches: call it per query
         self._ext = None if self._per_token else base.load()
-        self.bf16 = bool(bf16) and not self._per_token
-        self.__name__ = f"{base.__name__}+batch_invariant" + ("+bf16" if self.bf16 else "")
+        self.amx = bool(amx) and not self._per_token
+        self.bf16 = bool(bf16) and not self._per_token and not self.amx
+        self.__name__ = f"{base.__name__}+batch_invariant" + ("+amx" if self.amx else "+bf16" if self.bf16 else "")
         self.write_kv = base.write_kv
         self.gather_kv = getattr(base, "gather_kv", None)
 
@@ -174,7 +177,7 @@ class InvariantAttention:
         """Same contract as :func:`kernels.attention.paged_decode_attention`."""
         if not self._per_token:
             return self._ext.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                                    self.bf16)
+                                                    self.bf16, self.amx)
         return torch.cat([self.base.paged_decode_attention(query[i:i + 1], k_cache, v_cache, block_tables[i:i + 1],
                                                            context_lens[i:i + 1], scale)
                           for i in range(query.shape[0])])
@@ -189,7 +192,7 @@ class InvariantAttention:
         once per tile of queries instead of once per query; otherwise one decode query per token."""
         if not self._per_token:  # the C++ kernels: the tiled kernel, same per-query arithmetic
             return self._ext.paged_prefill_attention_tiled(query, k_cache, v_cache, block_table, int(context_len),
-                                                           float(scale), 0, self.bf16)
+                                                           float(scale), 0, self.bf16, self.amx)
         n = query.shape[0]
         tables = block_table.unsqueeze(0).expand(n, -1)
         lens = torch.arange(context_len - n + 1, context_len + 1, dtype=torch.long)
@@ -213,6 +216,21 @@ def attention_bf16(runner, ext) -> bool:
             and bool(getattr(ext, "has_bf16", False)) and cache.head_dim in (64, 128))
 
 
+def attention_amx(runner, ext) -> bool:
+    """Whether this mode's attention runs its bf16 dot products on AMX tiles
+    (``kernels/cpu/paged_attention.cpp``, ``amxa``): where :func:`attention_bf16` holds, the
+    runner's block kernels run on the tiles (``runner.block_dot == "amx"``) and the extension was
+    granted them (``ext.has_amx``). Decode and prefill then share these bits, which differ from the
+    ``bf16`` kernels' (the products' order inside a tile step is the hardware's).
+
+    Measured on the AMX Xeon (2 vCPU sharing one AMX unit; ``pdserve bench attention``; docs/decisions.md,
+    "Attention on AMX tiles"): a 512-token chunk at the end of a 2,048-token context, SmolLM2's 9
+    heads over 3 KV heads, 2.1x / 2.5x the ``bf16`` kernel on 1 / 2 threads; one decode query
+    0.85x."""
+    return (attention_bf16(runner, ext) and getattr(runner, "block_dot", "float32") == "amx"
+            and bool(getattr(ext, "has_amx", False)))
+
+
 def apply(runner) -> bool:
     """Switch a :class:`engine.model_runner.ModelRunner` (its model and attention) to this
     mode. Returns False (and changes nothing) off the CPU or without the C++ extension."""
@@ -228,6 +246,6 @@ def apply(runner) -> bool:
         return False
     linears = _route_linears(runner.model)
     norms = _route_norms(runner.model, ext)
-    runner.attention = InvariantAttention(runner.attention, attention_bf16(runner, ext))
+    runner.attention = InvariantAttention(runner.attention, attention_bf16(runner, ext), attention_amx(runner, ext))
     log.info("batch_invariant_on", linears=linears, norms=norms, attention=runner.attention.__name__)
     return True

@@ -849,9 +849,213 @@ struct Tile {
 };
 }  // namespace bfa
 
-// run's bf16 twin (see bfa above): decode queries, one per sequence; a work item is one
-// (sequence, KV head), computed by bfa::Tile as a tile of one query.
+#if defined(PDQ_AMX)
+// ---- attention on AMX tiles (PD_BLOCK_DOT=amx) -------------------------------------------------
+// bfa's roundings (q scaled then to bf16, K and V the cache's bf16, the softmax's exp_round, the
+// weights p to bf16, acc / sum) with q.k and p.v on Intel AMX tiles (TDPBF16PS, Intel SDM vol. 2),
+// for a model whose linears run on them (pdq::block_rows_amx). Rows of a tile are the (query,
+// head) rows of a work item, 16 at a time, in the order bfa::Tile keeps them:
+//   1. scores: C[row][key] for 16 rows x 16 keys is one chain of TDPBF16PS steps over head_dim in
+//      steps of 32 elements, from zero: A = 16 rows of q's bf16 (as laid out, no transpose), B =
+//      16 keys' words (bfa::key_words: words down, keys across: already the VNNI layout).
+//   2. the maximum and exp_round over the row's own keys, as bfa; the weights past the row's last
+//      key set to zero up to the next multiple of 32 keys.
+//   3. p.v: C[row][16 elements of V] += one TDPBF16PS per 32 keys of the context in order (A = 16
+//      rows' weights, B = 16 pairs of keys x 16 elements, bfa::value_pairs' layout), the running
+//      sums stored as float32 between spans of keys (exact). Where some rows of a tile see fewer of
+//      a chunk's keys than others (the causal diagonal of a prefill tile), the chunk runs once per
+//      query with the V rows past that query's last key set to zero, and only that query's rows
+//      are kept: a row's chunk of weights and values is then exactly what a decode query of the
+//      same context multiplies (its V past the context is zero too), and a later token's V (an Inf
+//      included) never meets an earlier query's zero weight.
+// Each C element depends only on its own A row and B column, so a (query, head) row's bits do not
+// depend on which other rows share its tile: decoded alone, in a batch or in a prefill tile of any
+// size, a query's output is the same (tests/unit/test_batch_invariance.py). The products' order
+// inside one step is the hardware's, so these bits differ from bfa's (vdpbf16ps) ones.
+namespace amxa {
+
+constexpr int64_t kChunk = 32;  // keys per p.v step (16 pairs: one TDPBF16PS's depth)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Scores of 16 rows (A: q rows of DC bf16 each, `a` with stride DC elements) against n16 chunks
+// of 16 keys (kt: bfa::key_words of each 16 keys in turn, DC / 2 words x 16 keys each), stored to
+// s + 16 c for chunk c, rows ls floats apart. Four C tiles at once share each A tile.
 template <int64_t DC>
+inline void qk_chunks(const uint16_t* a, const uint32_t* kt, int64_t n16, float* s, int64_t ls) {
+  constexpr int64_t W = DC / 2;
+  for (int64_t c = 0; c < n16; c += 4) {
+    const int64_t nc = std::min<int64_t>(4, n16 - c);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* b = kt + c * 16 * W;
+    for (int64_t st = 0; st < DC / 32; ++st) {
+      _tile_loadd(4, a + 32 * st, DC * 2);
+      _tile_loadd(5, b + st * 256, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nc > 1) {
+        _tile_loadd(6, b + 16 * W + st * 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (nc > 2) {
+        _tile_loadd(7, b + 32 * W + st * 256, 64);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (nc > 3) {
+        _tile_loadd(5, b + 48 * W + st * 256, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    float* sc = s + 16 * c;
+    _tile_stored(0, sc, ls * 4);
+    if (nc > 1) _tile_stored(1, sc + 16, ls * 4);
+    if (nc > 2) _tile_stored(2, sc + 32, ls * 4);
+    if (nc > 3) _tile_stored(3, sc + 48, ls * 4);
+  }
+}
+
+// cout[16 rows][DC] = cin + p.v over n32 chunks of 32 keys: p the 16 rows' bf16 weights (row
+// stride ps elements), vp bfa::value_pairs of the chunks' keys (DC words per pair of keys); c
+// rows DC floats apart. Per 64 elements of V, four C tiles share each A tile.
+template <int64_t DC>
+inline void pv_chunks(const uint16_t* p, int64_t ps, const uint32_t* vp, int64_t n32, const float* cin, float* cout) {
+  for (int64_t h = 0; h < DC; h += 64) {
+    _tile_loadd(0, cin + h, DC * 4);
+    _tile_loadd(1, cin + h + 16, DC * 4);
+    _tile_loadd(2, cin + h + 32, DC * 4);
+    _tile_loadd(3, cin + h + 48, DC * 4);
+    for (int64_t c = 0; c < n32; ++c) {
+      _tile_loadd(4, p + kChunk * c, ps * 2);
+      const uint32_t* b = vp + c * 16 * DC + h;
+      _tile_loadd(5, b, DC * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 16, DC * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b + 32, DC * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 48, DC * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, cout + h, DC * 4);
+    _tile_stored(1, cout + h + 16, DC * 4);
+    _tile_stored(2, cout + h + 32, DC * 4);
+    _tile_stored(3, cout + h + 48, DC * 4);
+  }
+}
+
+// bfa::Tile's contract (the same run()), the dot products on AMX tiles (items 1-3 above). One
+// per thread: it configures the thread's tiles when made and releases them when destroyed
+// (pdq::amx_permitted() must have been true).
+template <int64_t DC>
+struct Tile {
+  static constexpr int64_t D = DC, W = DC / 2;
+  std::vector<float> scores, acc, inv, tmp;
+  std::vector<uint16_t> qw;
+  std::vector<uint32_t> kt, vp, vz;
+  const uint16_t* rows_[bfa::kSpan];
+
+  Tile() { _tile_loadconfig(pdq::amx_config()); }
+  ~Tile() { _tile_release(); }
+  Tile(const Tile&) = delete;
+  Tile& operator=(const Tile&) = delete;
+
+  void run(const float* q, int64_t q_row, int64_t T, int64_t group, int64_t max_len, const uint16_t* k,
+           const uint16_t* v, int64_t block_size, int64_t block_stride, int64_t row, const int64_t* table, float s,
+           float* out, int64_t o_row) {
+    const int64_t rows = T * group, rows_pad = round_up(rows, 16);
+    const int64_t first = max_len - T + 1;  // query 0's context
+    const int64_t ls = round_up(max_len, kChunk);  // a row's floats of scores (then 2 ls bf16 weights)
+    if (scores.size() < static_cast<size_t>(rows_pad * ls)) scores.resize(static_cast<size_t>(rows_pad * ls));
+    acc.assign(static_cast<size_t>(rows_pad * D), 0.f);
+    inv.resize(static_cast<size_t>(rows));
+    tmp.resize(static_cast<size_t>(16 * D));
+    qw.assign(static_cast<size_t>(rows_pad * D), 0);
+    kt.resize(static_cast<size_t>(bfa::kSpan * W));
+    vp.resize(static_cast<size_t>(bfa::kSpan / 2 * D));
+    vz.resize(static_cast<size_t>(bfa::kSpan / 2 * D));
+    auto rows_at = [&](const uint16_t* cache, int64_t t0, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        rows_[i] = cache + table[t / block_size] * block_stride + (t % block_size) * row;
+      }
+      return rows_;
+    };
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t h = 0; h < group; ++h)
+        bfa::round_query(q + r * q_row + h * D, s, D, qw.data() + (r * group + h) * D);
+    // the queries of rows a0 .. a0 + 15 (the last real one): the first's and last's context
+    auto first_query = [&](int64_t a0) { return a0 / group; };
+    auto last_query = [&](int64_t a0) { return (std::min(rows, a0 + 16) - 1) / group; };
+    // pass 1: scores, 128 keys at a time
+    for (int64_t t0 = 0; t0 < max_len; t0 += bfa::kSpan) {
+      const int64_t len = std::min(bfa::kSpan, max_len - t0);
+      const uint16_t* const* kr = rows_at(k, t0, len);
+      for (int64_t c0 = 0; c0 < len; c0 += 16)
+        bfa::key_words(kr + c0, std::min<int64_t>(16, len - c0), D, kt.data() + c0 * W);
+      for (int64_t a0 = 0; a0 < rows; a0 += 16) {
+        const int64_t nk = std::min(len, first + last_query(a0) - t0);  // keys the tile's last query sees
+        if (nk <= 0) continue;
+        qk_chunks<DC>(qw.data() + a0 * D, kt.data(), (nk + 15) / 16, scores.data() + a0 * ls + t0, ls);
+      }
+    }
+    // softmax weights as bf16, in place, zero past each row's keys up to ls
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t L = first + i / group;
+      float* x = scores.data() + i * ls;
+      inv[i] = 1.f / bfa::exp_round(x, L, max_into(-std::numeric_limits<float>::infinity(), x, L));
+      uint16_t* y = reinterpret_cast<uint16_t*>(x);
+      std::fill(y + L, y + ls, uint16_t{0});
+    }
+    // pass 2: weighted V, the same spans of keys
+    const uint16_t* p16 = reinterpret_cast<const uint16_t*>(scores.data());
+    for (int64_t t0 = 0; t0 < max_len; t0 += bfa::kSpan) {
+      const int64_t len = std::min(bfa::kSpan, max_len - t0);
+      bfa::value_pairs(rows_at(v, t0, len), len, D, vp.data());
+      const int64_t pairs = (len + 1) / 2, padded = round_up(len, kChunk) / 2;
+      std::fill(vp.begin() + pairs * D, vp.begin() + padded * D, 0u);
+      for (int64_t a0 = 0; a0 < rows; a0 += 16) {
+        const int64_t r0 = first_query(a0), r1 = last_query(a0);
+        const int64_t lmin = first + r0 - t0, lmax = first + r1 - t0;  // keys of this span they see
+        if (lmax <= 0) continue;
+        const uint16_t* pa = p16 + a0 * 2 * ls + t0;
+        float* ca = acc.data() + a0 * D;
+        // chunks every row sees whole (past the span's end only past the context's: zero pairs)
+        const int64_t common = lmin >= len ? round_up(len, kChunk) : std::max<int64_t>(0, lmin) / kChunk * kChunk;
+        if (common > 0) pv_chunks<DC>(pa, 2 * ls, vp.data(), common / kChunk, ca, ca);
+        for (int64_t r = r0; r <= r1; ++r) {  // the rest, query by query
+          const int64_t L = std::min(len, first + r - t0);
+          if (L <= common) continue;
+          const int64_t end = round_up(L, kChunk) / 2;  // pairs the chunks hold
+          std::copy(vp.begin() + common / 2 * D, vp.begin() + end * D, vz.begin() + common / 2 * D);
+          if (L % 2) {  // the last key's partner: zero
+            uint32_t* w = vz.data() + L / 2 * D;
+            for (int64_t d = 0; d < D; ++d) w[d] &= 0xFFFFu;
+          }
+          std::fill(vz.begin() + (L + 1) / 2 * D, vz.begin() + end * D, 0u);
+          pv_chunks<DC>(pa + common, 2 * ls, vz.data() + common / 2 * D, (L - common + kChunk - 1) / kChunk, ca,
+                        tmp.data());
+          for (int64_t i = std::max(a0, r * group); i < std::min(a0 + 16, (r + 1) * group); ++i)
+            std::copy(tmp.begin() + (i - a0) * D, tmp.begin() + (i - a0 + 1) * D, acc.begin() + i * D);
+        }
+      }
+    }
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t h = 0; h < group; ++h) {
+        const float* a = acc.data() + (r * group + h) * D;
+        const float iv = inv[r * group + h];
+        float* oh = out + r * o_row + h * D;
+        for (int64_t i = 0; i < D; ++i) oh[i] = a[i] * iv;
+      }
+  }
+};
+}  // namespace amxa
+#endif  // PDQ_AMX
+
+// run's bf16 twin (see bfa above): decode queries, one per sequence; a work item is one
+// (sequence, KV head), computed by TileT (bfa::Tile, or amxa::Tile on AMX) as a tile of one query.
+template <int64_t DC, template <int64_t> class TileT = bfa::Tile>
 void run_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
               const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
   static_assert(DC % 32 == 0, "head_dim a multiple of 32");
@@ -866,7 +1070,7 @@ void run_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, const to
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   for_each_item(batch * num_kv_heads, [&](auto&& next_item) {
-    bfa::Tile<DC> tile;
+    TileT<DC> tile;
     for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t b = item / num_kv_heads, g = item % num_kv_heads;
       const int64_t at = (b * num_heads + g * group) * DC;
@@ -876,9 +1080,9 @@ void run_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, const to
   });
 }
 
-// run_prefill's bf16 twin: work items (tile of queries, KV head), each a bfa::Tile, so every
-// query is reduced exactly as run_bf16 reduces it.
-template <int64_t DC>
+// run_prefill's bf16 twin: work items (tile of queries, KV head), each a TileT, so every
+// query is reduced exactly as run_bf16<DC, TileT> reduces it.
+template <int64_t DC, template <int64_t> class TileT = bfa::Tile>
 void run_prefill_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& block_table, int64_t context_len, double scale, int64_t tile_arg,
                       torch::Tensor& out) {
@@ -899,7 +1103,7 @@ void run_prefill_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, 
   float* o = out.data_ptr<float>();
   // items: (tile, kv head), the largest tiles (the last queries see the most keys) first
   for_each_item(num_tiles * num_kv_heads, [&](auto&& next_item) {
-    bfa::Tile<DC> t;
+    TileT<DC> t;
     for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t ti = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
       const int64_t i0 = ti * tile, i1 = std::min(n, i0 + tile);
@@ -946,18 +1150,39 @@ bool bf16_supported(const torch::Tensor& query, const torch::Tensor& k_cache) {
 #endif
 }
 
+// Whether amx=true can run: bf16=true can, and the build has AMX tiles which the OS granted.
+bool amx_supported(const torch::Tensor& query, const torch::Tensor& k_cache) {
+#if defined(PDQ_AMX)
+  return bf16_supported(query, k_cache) && pdq::has_amx();
+#else
+  (void)query;
+  (void)k_cache;
+  return false;
+#endif
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool bf16) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool bf16,
+                                     bool amx) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(!bf16 || bf16_supported(query, k_cache),
               "bf16 dot products need a build with them (has_bf16), a bf16 cache and head_dim 64 or 128");
+  TORCH_CHECK(!amx || amx_supported(query, k_cache),
+              "amx needs a build with AMX tiles granted by the OS (has_amx), a bf16 cache and head_dim 64 or 128");
   auto q = query.to(torch::kFloat32).contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = context_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
+#if defined(PDQ_AMX)
+  if (amx) {
+    if (q.size(2) == 64) run_bf16<64, amxa::Tile>(q, k_cache, v_cache, tables, lens, scale, out);
+    else run_bf16<128, amxa::Tile>(q, k_cache, v_cache, tables, lens, scale, out);
+    return out.to(query.scalar_type());
+  }
+#endif
 #if defined(PDQ_BF16)
   if (bf16) {
     if (q.size(2) == 64) run_bf16<64>(q, k_cache, v_cache, tables, lens, scale, out);
@@ -977,10 +1202,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 
 // Batch-invariant prefill attention (run_prefill above): query [n, H, D] are the last n positions
 // of a context of context_len tokens already in the cache; tile <= 0 picks the tile size. bf16:
-// run_prefill_bf16, the arithmetic of paged_decode_attention(..., bf16=true).
+// run_prefill_bf16, the arithmetic of paged_decode_attention(..., bf16=true); amx: on AMX tiles
+// (amxa), the arithmetic of paged_decode_attention(..., amx=true).
 torch::Tensor paged_prefill_attention_tiled(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                             torch::Tensor block_table, int64_t context_len, double scale,
-                                            int64_t tile, bool bf16) {
+                                            int64_t tile, bool bf16, bool amx) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
@@ -988,11 +1214,20 @@ torch::Tensor paged_prefill_attention_tiled(torch::Tensor query, torch::Tensor k
   TORCH_CHECK(context_len >= query.size(0), "context_len must cover the queries");
   TORCH_CHECK(!bf16 || bf16_supported(query, k_cache),
               "bf16 dot products need a build with them (has_bf16), a bf16 cache and head_dim 64 or 128");
+  TORCH_CHECK(!amx || amx_supported(query, k_cache),
+              "amx needs a build with AMX tiles granted by the OS (has_amx), a bf16 cache and head_dim 64 or 128");
   auto q = query.to(torch::kFloat32).contiguous();
   auto table = block_table.to(torch::kInt64).contiguous();
   TORCH_CHECK(table.dim() == 1 && table.size(0) * k_cache.size(1) >= context_len, "block_table too short");
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out.to(query.scalar_type());
+#if defined(PDQ_AMX)
+  if (amx) {
+    if (q.size(2) == 64) run_prefill_bf16<64, amxa::Tile>(q, k_cache, v_cache, table, context_len, scale, tile, out);
+    else run_prefill_bf16<128, amxa::Tile>(q, k_cache, v_cache, table, context_len, scale, tile, out);
+    return out.to(query.scalar_type());
+  }
+#endif
 #if defined(PDQ_BF16)
   if (bf16) {
     if (q.size(2) == 64) run_prefill_bf16<64>(q, k_cache, v_cache, table, context_len, scale, tile, out);
@@ -1127,17 +1362,23 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm over the last dimension (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(),
-        "paged decode attention (CPU); bf16: q.k and p.v as bf16 dot products (has_bf16, bf16 cache)", py::arg("query"),
+        "paged decode attention (CPU); bf16: q.k and p.v as bf16 dot products (has_bf16, bf16 cache); amx: the same "
+        "roundings on AMX tiles (has_amx)", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("bf16") = false);
+        py::arg("bf16") = false, py::arg("amx") = false);
   m.def("paged_prefill_attention_tiled", &paged_prefill_attention_tiled, py::call_guard<py::gil_scoped_release>(),
         "batch-invariant prefill attention: the decode kernel's per-query arithmetic, K/V read once per query tile (CPU)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
-        py::arg("scale"), py::arg("tile"), py::arg("bf16") = false);
+        py::arg("scale"), py::arg("tile"), py::arg("bf16") = false, py::arg("amx") = false);
 #if defined(PDQ_BF16)
   m.attr("has_bf16") = true;  // bf16=true accepted (AVX512-BF16, or the emulated test build)
 #else
   m.attr("has_bf16") = false;
+#endif
+#if defined(PDQ_AMX)
+  m.attr("has_amx") = pdq::has_amx();  // amx=true accepted (AMX tiles, granted by the OS)
+#else
+  m.attr("has_amx") = false;
 #endif
   m.def("linear_small_batch", &linear_small_batch, py::call_guard<py::gil_scoped_release>(), "x W^T for a few rows of x (CPU)");
 }

@@ -1,5 +1,6 @@
 """GFLOP/s of the CPU attention kernels (``kernels/cpu/paged_attention.cpp``): float32 math against
-bf16 dot products (``bf16=True``; AVX512-BF16 builds only), interleaved in one run (ratios are
+bf16 dot products (``bf16=True``; AVX512-BF16 builds only) and the same roundings on AMX tiles
+(``amx=True``; where the OS grants them), interleaved in one run (ratios are
 what counts on a shared machine), for a prefill chunk at the end of a context
 (``paged_prefill_attention_tiled``, the batch-invariant mode's prefill) and for one decode query
 (``paged_decode_attention``), over a bfloat16 cache with SmolLM2-135M's shape (9 query heads on
@@ -119,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU flags: {_cpu()}; bf16 dot products: {'yes' if ext.has_bf16 else 'no (float32 only)'}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"{HEADS} heads on {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16 cache, blocks of {BLOCK}")
-    print(" threads  context  prefill (chunk)  float32 ms  GFLOP/s  bf16 ms  GFLOP/s  ratio"
-          "   decode float32 us  bf16 us  ratio")
+    kinds = [("float32", (False, False))] + ([("bf16", (True, False))] if ext.has_bf16 else [])
+    kinds += [("amx", (False, True))] if getattr(ext, "has_amx", False) else []
+    print(" threads  context  chunk  " + "  ".join(f"{k} ms GFLOP/s" for k, _ in kinds)
+          + "  |  decode " + "  ".join(f"{k} us" for k, _ in kinds) + "  |  ratios to float32 (prefill, decode)"
+          + ("; amx to bf16" if len(kinds) == 3 else ""))
     gen = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     try:
@@ -136,20 +140,20 @@ def main(argv: list[str] | None = None) -> int:
                 flops = 4 * HEAD_DIM * HEADS * sum(ctx - n + 1 + i for i in range(n))
                 q1, t1, l1 = q[-1:].contiguous(), table.unsqueeze(0), torch.tensor([ctx])
                 cells = {}
-                for bf16 in ((False, True) if ext.has_bf16 else (False,)):
-                    cells[bf16] = (
-                        _best_s(args.repeats, lambda b=bf16, q=q, k=k, v=v, table=table, ctx=ctx:
-                                ext.paged_prefill_attention_tiled(q, k, v, table, ctx, HEAD_DIM ** -0.5, 0, b)),
-                        _best_s(args.repeats, lambda b=bf16, q1=q1, k=k, v=v, t1=t1, l1=l1:
-                                ext.paged_decode_attention(q1, k, v, t1, l1, HEAD_DIM ** -0.5, b), calls=30))
-                f_pre, f_dec = cells[False]
-                row = f"{threads:>8} {ctx:>8} {n:>16} {f_pre * 1e3:>11.2f} {flops / f_pre / 1e9:>8.0f}"
-                if True in cells:
-                    b_pre, b_dec = cells[True]
-                    row += (f" {b_pre * 1e3:>8.2f} {flops / b_pre / 1e9:>8.0f} {f_pre / b_pre:>5.2f}x"
-                            f" {f_dec * 1e6:>19.0f} {b_dec * 1e6:>8.0f} {f_dec / b_dec:>5.2f}x")
-                else:
-                    row += f" {'-':>8} {'-':>8} {'-':>6} {f_dec * 1e6:>19.0f}"
+                for name, (b, a) in kinds:
+                    cells[name] = (
+                        _best_s(args.repeats, lambda b=b, a=a, q=q, k=k, v=v, table=table, ctx=ctx:
+                                ext.paged_prefill_attention_tiled(q, k, v, table, ctx, HEAD_DIM ** -0.5, 0, b, a)),
+                        _best_s(args.repeats, lambda b=b, a=a, q1=q1, k=k, v=v, t1=t1, l1=l1:
+                                ext.paged_decode_attention(q1, k, v, t1, l1, HEAD_DIM ** -0.5, b, a), calls=30))
+                f_pre, f_dec = cells["float32"]
+                row = f"{threads:>8} {ctx:>8} {n:>6}  "
+                row += "  ".join(f"{pre * 1e3:>8.2f} {flops / pre / 1e9:>5.0f}" for pre, _ in cells.values())
+                row += "  |  " + "  ".join(f"{dec * 1e6:>8.0f}" for _, dec in cells.values())
+                row += "  |  " + "  ".join(f"{name} {f_pre / pre:.2f}x, {f_dec / dec:.2f}x"
+                                           for name, (pre, dec) in cells.items() if name != "float32")
+                if len(cells) == 3:
+                    row += f"; amx {cells['bf16'][0] / cells['amx'][0]:.2f}x, {cells['bf16'][1] / cells['amx'][1]:.2f}x"
                 print(row, flush=True)
     finally:
         torch.set_num_threads(before)

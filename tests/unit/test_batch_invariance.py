@@ -383,8 +383,9 @@ def test_any_thread_count_gives_the_same_bits(bf16_model, monkeypatch):
 
 
 def _attention_build(kind: str):
-    """The attention extension of ``kind``: ``native`` (skipped without AVX512-BF16) or
-    ``emulated`` (the bf16 instructions modelled in scalar code; any AVX2 CPU)."""
+    """The attention extension of ``kind``: ``native`` (skipped without AVX512-BF16), ``amx`` (the
+    native build, skipped without AMX tiles) or ``emulated`` (the bf16 instructions modelled in
+    scalar code; any AVX2 CPU)."""
     from kernels import cpu
 
     try:
@@ -393,22 +394,31 @@ def _attention_build(kind: str):
         pytest.skip(f"no C++ extension: {exc}")
     if not ext.has_bf16:
         pytest.skip("this CPU has no AVX512-BF16 (the 'emulated' case runs the same path)")
+    if kind == "amx" and not ext.has_amx:
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
     return ext
 
 
-@pytest.mark.parametrize("kind", ["native", pytest.param("emulated", marks=pytest.mark.slow)])
+def _arithmetic(kind: str) -> tuple[bool, bool]:
+    """The kernels' (bf16, amx) arguments for ``kind``: bf16 dot products, or on AMX tiles."""
+    return (False, True) if kind == "amx" else (True, False)
+
+
+@pytest.mark.parametrize("kind", ["native", "amx", pytest.param("emulated", marks=pytest.mark.slow)])
 def test_bf16_attention_prefill_tiles_equal_decode_queries(kind):
-    """q.k and p.v as bf16 dot products (``bf16=True``): every query bit-identical decoded alone,
-    decoded in a batch and prefilled in tiles of any size, at block sizes that put pairs and
-    16-key chunks across blocks (1, 4, 5, 32) and span edges (128 keys), for head_dim 64 and 128;
-    within bf16 rounding of the float64 reference, and not the float32 kernel's bits (so the
-    bf16 path ran)."""
+    """q.k and p.v as bf16 dot products (``bf16=True``, or on AMX tiles: ``amx=True``): every
+    query bit-identical decoded alone, decoded in a batch and prefilled in tiles of any size, at
+    block sizes that put pairs and 16-key chunks across blocks (1, 4, 5, 32) and span edges (128
+    keys), for head_dim 64 and 128, with tiles of (query, head) rows that cut queries (9 heads,
+    16 rows a tile) and the causal diagonal inside a 32-key chunk; within bf16 rounding of the
+    float64 reference, and not the float32 kernel's bits (so the bf16 path ran)."""
     ext = _attention_build(kind)
+    arith = _arithmetic(kind)
     gen = torch.Generator().manual_seed(5)
     cases = [  # (context_len, queries, block_size, heads, kv heads, head_dim)
         (1, 1, 16, 9, 3, 64), (2, 2, 4, 9, 3, 64), (17, 5, 16, 9, 3, 64), (130, 130, 16, 9, 3, 64),
         (257, 100, 5, 4, 2, 64), (300, 37, 4, 9, 3, 64), (129, 129, 32, 2, 1, 64), (700, 65, 16, 4, 2, 128),
-        (160, 3, 1, 2, 2, 128),
+        (160, 3, 1, 2, 2, 128), (333, 70, 16, 9, 3, 64), (96, 96, 16, 3, 1, 128),
     ]
     for context_len, n, block_size, heads, kv_heads, head_dim in cases:
         blocks = -(-context_len // block_size)
@@ -419,12 +429,13 @@ def test_bf16_attention_prefill_tiles_equal_decode_queries(kind):
         lens = torch.arange(context_len - n + 1, context_len + 1)
         tables = table.unsqueeze(0).expand(n, -1).contiguous()
         case = (context_len, n, block_size, heads, kv_heads, head_dim)
-        decoded = ext.paged_decode_attention(q, k, v, tables, lens, 0.125, True)
-        alone = torch.cat([ext.paged_decode_attention(q[i:i + 1], k, v, table.unsqueeze(0), lens[i:i + 1], 0.125, True)
+        decoded = ext.paged_decode_attention(q, k, v, tables, lens, 0.125, *arith)
+        alone = torch.cat([ext.paged_decode_attention(q[i:i + 1], k, v, table.unsqueeze(0), lens[i:i + 1], 0.125,
+                                                      *arith)
                            for i in (0, n // 2, n - 1)])
         assert torch.equal(alone, decoded[[0, n // 2, n - 1]]), case
         for tile in (0, 1, 3, 64):
-            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile, True)
+            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile, *arith)
             assert torch.equal(tiled, decoded), (*case, tile)
         kk = k[table].flatten(0, 1)[:context_len].double().repeat_interleave(heads // kv_heads, dim=1)
         vv = v[table].flatten(0, 1)[:context_len].double().repeat_interleave(heads // kv_heads, dim=1)
@@ -461,12 +472,13 @@ def test_bf16_attention_instructions_give_the_bits_of_their_scalar_model():
         assert torch.equal(*outs)
 
 
-@pytest.mark.parametrize("kind", ["native", pytest.param("emulated", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["native", "amx", pytest.param("emulated", marks=pytest.mark.slow)])
 def test_bf16_attention_non_finite_values_stay_where_they_belong(kind):
     """An Inf in a later token's V does not reach the earlier queries of a prefill tile (decode
     never reads it: the partner of a query's odd last key is read as zero), and an Inf key gives
     NaN where float32 does (a head scoring it +Inf) instead of being clamped into a finite answer."""
     ext = _attention_build(kind)
+    arith = _arithmetic(kind)
     gen = torch.Generator().manual_seed(3)
     for context_len in (4, 7, 131):
         k = torch.randn(9, 16, 1, 64, generator=gen).bfloat16()
@@ -476,16 +488,17 @@ def test_bf16_attention_non_finite_values_stay_where_they_belong(kind):
         v[(context_len - 1) // 16, (context_len - 1) % 16] = float("inf")  # the last token's V
         lens = torch.arange(1, context_len + 1)
         decoded = ext.paged_decode_attention(q, k, v, table.unsqueeze(0).expand(context_len, -1).contiguous(), lens,
-                                             0.125, True)
+                                             0.125, *arith)
         assert torch.isfinite(decoded[:-1]).all()
         for tile in (0, 2, context_len):
-            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile, True)
+            tiled = ext.paged_prefill_attention_tiled(q, k, v, table, context_len, 0.125, tile, *arith)
             assert torch.equal(tiled[:-1], decoded[:-1]), (context_len, tile)
     k, v = torch.randn(1, 16, 1, 64, generator=gen).bfloat16(), torch.randn(1, 16, 1, 64, generator=gen).bfloat16()
     k[0, 2, 0, 0] = float("inf")
     q, table = torch.randn(1, 2, 64, generator=gen), torch.zeros(1, 1, dtype=torch.long)
     q[0, 0, 0], q[0, 1, 0] = 1.0, -1.0  # head 0 scores the key +Inf (NaN after the max), head 1 -Inf (weight 0)
-    bf16, f32 = (ext.paged_decode_attention(q, k, v, table, torch.tensor([5]), 0.125, b) for b in (True, False))
+    bf16 = ext.paged_decode_attention(q, k, v, table, torch.tensor([5]), 0.125, *arith)
+    f32 = ext.paged_decode_attention(q, k, v, table, torch.tensor([5]), 0.125)
     assert bf16[0, 0].isnan().all() and torch.isfinite(bf16[0, 1]).all()
     assert torch.equal(bf16.isnan(), f32.isnan())
-    assert torch.isfinite(ext.paged_decode_attention(q, k, v, table, torch.tensor([2]), 0.125, True)).all()
+    assert torch.isfinite(ext.paged_decode_attention(q, k, v, table, torch.tensor([2]), 0.125, *arith)).all()
