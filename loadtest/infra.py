@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -11,11 +12,43 @@ from pathlib import Path
 from services.launcher import terminate
 from services.local_infra import local_binary
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local TCP port that is free now and outside the kernel's ephemeral range.
+
+    A port from ``bind(("127.0.0.1", 0))`` is ephemeral: once the probe socket closes, the
+    kernel may hand the same port to any ``bind(0)`` or outgoing connection (a relay, a client)
+    before the server meant for it binds, and that server then dies with "address already in
+    use" (a CI run lost a NATS cluster node so). Ports here come from below the ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``), which the kernel never picks on its own, and
+    this process never hands out one port twice.
+
+    Raises:
+        RuntimeError: no free port was found in 200 tries.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free local port below the ephemeral range")
 
 
 def _wait_port(port: int, timeout_s: float) -> bool:

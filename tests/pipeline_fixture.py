@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from contextlib import contextmanager
 from pathlib import Path
 
+from loadtest.infra import free_port
 from services import launcher, local_infra
 from shared.config import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -249,14 +249,13 @@ def test_progress_keeps_a_long_prefill_alive_but_not_forever(tiny_model_dir):
 @contextmanager
 def served(app):
     """The app under a real uvicorn server on a free port, in a thread (real disconnects)."""
-    import socket
     import threading
 
     import uvicorn
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from loadtest.infra import free_port
+
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

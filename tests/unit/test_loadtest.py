@@ -120,3 +120,29 @@ def test_llama_build_flags_follow_the_cpu_and_never_turn_amx_on(monkeypatch, tmp
     assert llama_build_dir(zen3) != llama_build_dir(xeon) and llama_build_dir(zen3).is_relative_to(tmp_path)
     monkeypatch.setenv("PD_LLAMA_CMAKE_FLAGS", "-DGGML_AVX2=OFF -DX=1")
     assert llama_cmake_flags("avx2") == ["-DGGML_AVX2=OFF", "-DX=1"]
+
+
+def test_free_ports_are_distinct_bindable_and_never_ephemeral():
+    """A port the kernel can hand to a bind(0) or an outgoing connection can be taken between
+    the pick and the server's bind (a CI run lost a NATS cluster node so): free_port stays below
+    the ephemeral range, never repeats, and a burst of ephemeral sockets cannot land on its picks."""
+    import socket
+
+    from loadtest.infra import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 <= p < _ephemeral_low() for p in ports)
+    held = []
+    try:
+        for _ in range(200):  # what the route relays and clients do meanwhile
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        assert not {s.getsockname()[1] for s in held} & set(ports)
+        for p in ports:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+    finally:
+        for s in held:
+            s.close()
