@@ -225,8 +225,8 @@ def attention_amx(runner, ext) -> bool:
 
     Measured on the AMX Xeon (2 vCPU sharing one AMX unit; ``pdserve bench attention``; docs/decisions.md,
     "Attention on AMX tiles"): a 512-token chunk at the end of a 2,048-token context, SmolLM2's 9
-    heads over 3 KV heads, 2.1x / 2.5x the ``bf16`` kernel on 1 / 2 threads; one decode query
-    0.85x."""
+    heads over 3 KV heads, 2.95x / 3.03x the ``bf16`` kernel on 1 / 2 threads (at the end of a
+    512-token context 2.07x / 2.58x); one decode query 0.81-1.02x."""
     return (attention_bf16(runner, ext) and getattr(runner, "block_dot", "float32") == "amx"
             and bool(getattr(ext, "has_amx", False)))
 
