@@ -550,6 +550,16 @@ inline float max_all(const float* m) {  // the largest of 16 lanes (exact in any
   return r;
 }
 
+// A tile's last step: out's (query r, head h) row = acc's row r group + h (D floats) times
+// inv[r group + h], for `rows` = T group rows.
+inline void scale_out(const float* acc, const float* inv, int64_t rows, int64_t group, int64_t D, float* out,
+                      int64_t o_row) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* o = out + i / group * o_row + i % group * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[i * D + d] * inv[i];
+  }
+}
+
 // Softmax weights (item 3): x[0 .. n) := exp(x - m) as bf16, in place (y = x's memory as uint16:
 // y[j] overwrites bytes of x already read), y[n] = 0 (the pad partner of an odd last key);
 // returns the sum of the float32 exps. exp as exp_poly (the Cephes polynomial), written so that
@@ -838,13 +848,7 @@ struct Tile {
                         acc.data() + r * group * D, D);
       }
     }
-    for (int64_t r = 0; r < T; ++r)
-      for (int64_t h = 0; h < group; ++h) {
-        const float* a = acc.data() + (r * group + h) * D;
-        const float iv = inv[r * group + h];
-        float* oh = out + r * o_row + h * D;
-        for (int64_t i = 0; i < D; ++i) oh[i] = a[i] * iv;
-      }
+    scale_out(acc.data(), inv.data(), T * group, group, D, out, o_row);
   }
 };
 }  // namespace bfa
@@ -1041,13 +1045,7 @@ struct Tile {
         }
       }
     }
-    for (int64_t r = 0; r < T; ++r)
-      for (int64_t h = 0; h < group; ++h) {
-        const float* a = acc.data() + (r * group + h) * D;
-        const float iv = inv[r * group + h];
-        float* oh = out + r * o_row + h * D;
-        for (int64_t i = 0; i < D; ++i) oh[i] = a[i] * iv;
-      }
+    bfa::scale_out(acc.data(), inv.data(), T * group, group, D, out, o_row);
   }
 };
 }  // namespace amxa
