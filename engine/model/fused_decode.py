@@ -55,7 +55,7 @@ def _stack(ext, layers: list[BlockLinear], bf16: bool = False, int8: bool = Fals
     ``int8``: int8 activations, integer dot products; ``amx``: bf16 roundings on AMX tiles."""
     codes = torch.cat([m.codes for m in layers])
     scale = torch.cat([m.scale for m in layers])
-    minimum = torch.cat([m.minimum for m in layers]) if layers[0].bits == 4 else torch.empty(0)
+    minimum = torch.cat([m.minimum for m in layers]) if layers[0].bits == 4 else torch.empty(0, dtype=torch.float16)
     start = 0
     for m in layers:
         end = start + m.out_features

@@ -1,11 +1,13 @@
 """Weight-only quantized linear layers for the CPU, holding GGUF's 32-element blocks as stored.
 
-:class:`BlockLinear` keeps per-32-input groups of codes and float32 scales:
+:class:`BlockLinear` keeps per-32-input groups of codes and the file's float16 scales:
 
 * 4-bit (from Q4_0 / Q4_1): the file's codes, unchanged and packed as in the file (byte ``j``
   of a group: element ``j`` low nibble, ``j + 16`` high), ``w = q * d + m``. Q4_1 gives
-  ``d, m`` directly; Q4_0 (``w = (q - 8) d``) becomes ``m = -8 d``, exact in float32. The
-  file's fp16 ``d`` and ``m`` widen to float32 exactly; nothing is rounded or re-quantized.
+  ``d, m`` directly; Q4_0 (``w = (q - 8) d``) becomes ``m = -8 d``, exact in float16. ``d``
+  and ``m`` stay float16 as the file stores them (4 bytes a group where float32 took 8: 17 %
+  fewer bytes for a 4-bit row to stream at batch 1); the kernel widens each to float32 exactly
+  where it reads it, so nothing is rounded or re-quantized.
 * 8-bit (from Q8_0, or ``PD_WEIGHTS=int8`` for any float model, quantized to Q8_0 by
   :func:`engine.model.weights.quantize_float`): int8 codes, ``w = q * d``, the file's codes and scales.
 
@@ -182,15 +184,34 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
 
 
+def _exact_half(values: torch.Tensor, what: str) -> torch.Tensor:
+    """``values`` as a contiguous float16 tensor, the same numbers.
+
+    Raises:
+        ValueError: some value is not a float16 value (it would be rounded).
+    """
+    half = values.to(torch.float16).contiguous()
+    wide = values.float()
+    same = (half.float() == wide) | (wide.isnan() & half.isnan())
+    if not bool(same.all()):
+        raise ValueError(f"block {what} must be float16 values (as GGUF stores them); "
+                         f"{int((~same).sum())} of {same.numel()} would be rounded")
+    return half
+
+
 class BlockLinear(torch.nn.Module):
     """``y = x W^T (+ b)`` with ``W`` in 32-input blocks; see the module docstring.
 
     Args:
         bits: 4 or 8.
         codes: 4-bit: uint8 ``[out, in / 2]`` packed; 8-bit: int8 ``[out, in]``.
-        scale: float32 ``[out, in / 32]`` (``d``); minimum: float32 ``[out, in / 32]`` (``m``,
-            4-bit only).
+        scale: ``[out, in / 32]`` (``d``); minimum: ``[out, in / 32]`` (``m``, 4-bit only).
+            Any float dtype whose values float16 holds exactly (a GGUF file's are float16);
+            kept as float16.
         bias: optional float ``[out]``.
+
+    Raises:
+        ValueError: a scale or minimum that float16 cannot hold exactly.
 
     ``int8`` (attribute, default False; :func:`set_block_dot`): the kernel quantizes each row
     of ``x`` per 32 inputs to int8 and takes integer dot products (llama.cpp's q4_1 x q8_1
@@ -211,8 +232,9 @@ class BlockLinear(torch.nn.Module):
         self.out_features = codes.shape[0]
         self.in_features = scale.shape[1] * GROUP
         self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("minimum", minimum.float().contiguous() if minimum is not None else torch.empty(0))
+        self.register_buffer("scale", _exact_half(scale, "scale"))
+        self.register_buffer("minimum", _exact_half(minimum, "minimum") if minimum is not None
+                             else torch.empty(0, dtype=torch.float16))
         self.bias = bias
 
     @classmethod
@@ -234,9 +256,9 @@ class BlockLinear(torch.nn.Module):
         if self.bits == 4:
             g = self.codes.reshape(self.out_features, -1, 1, GROUP // 2)
             q = torch.cat([g & 0x0F, g >> 4], dim=2).reshape(self.out_features, -1, GROUP).float()
-            w = q * self.scale[..., None] + self.minimum[..., None]
+            w = q * self.scale.float()[..., None] + self.minimum.float()[..., None]
         else:
-            w = self.codes.reshape(self.out_features, -1, GROUP).float() * self.scale[..., None]
+            w = self.codes.reshape(self.out_features, -1, GROUP).float() * self.scale.float()[..., None]
         return w.reshape(self.out_features, self.in_features)
 
     def kernel_rows(self, flat: torch.Tensor, ext) -> torch.Tensor:

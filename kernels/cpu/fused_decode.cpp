@@ -69,15 +69,15 @@ struct Blocks {
     TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
     TORCH_CHECK(int(bf16_) + int(int8_) + int(amx_) <= 1, "bf16, int8 and amx are different arithmetics: choose one");
     TORCH_CHECK(codes.size(1) == (q4 ? K / 2 : K), "codes must be [N, K/2] (4-bit) or [N, K] (8-bit)");
-    TORCH_CHECK(d.scalar_type() == torch::kFloat && d.size(0) == N, "d must be float32 [N, K/32]");
-    TORCH_CHECK(!q4 || (m.scalar_type() == torch::kFloat && m.sizes() == d.sizes()), "m must be float32 [N, K/32]");
+    TORCH_CHECK(d.scalar_type() == torch::kHalf && d.size(0) == N, "d must be float16 [N, K/32] (the file's scales)");
+    TORCH_CHECK(!q4 || (m.scalar_type() == torch::kHalf && m.sizes() == d.sizes()), "m must be float16 [N, K/32]");
   }
 
   // y[M, N] (row stride ldy) = x[M, K] W^T, weight rows split across threads.
   void matmul(const float* x, int64_t M, float* y, int64_t ldy) const {
     const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-    const float* dp = d.data_ptr<float>();
-    const float* mp = q4 ? m.data_ptr<float>() : dp;
+    const pdq::scale_t* dp = reinterpret_cast<const pdq::scale_t*>(d.data_ptr());
+    const pdq::scale_t* mp = q4 ? reinterpret_cast<const pdq::scale_t*>(m.data_ptr()) : dp;
     if (int8) {
       thread_local pdq::RowsQ8 quantized;  // x quantized per 32 inputs, once per call
       pdq::quantize_rows_q8(x, M, K, quantized);

@@ -4,7 +4,10 @@
 //   4-bit (Q4_0 / Q4_1): per 32 inputs, 16 bytes of codes (byte j: element j in the low
 //   nibble, element j + 16 in the high one, as ggml's dequantize_row_q4_1), w = q * d + m
 //   (Q4_0: m = -8 d, exact in float32);  8-bit (Q8_0): 32 int8 codes, w = q * d.
-//   d and m are float32 [N, K / 32] (the file's fp16, widened exactly).
+//   d and m are the file's float16 [N, K / 32] as stored (scale_t): 4 bytes a group where float32
+//   took 8, so a 4-bit row is 17 % fewer bytes to stream. Each entry point widens a tile's
+//   scales to float32 (exact) once, into a buffer of its thread (TileScales), and the loops read
+//   those: the arithmetic is unchanged.
 //
 // ISA: chosen at build time from the compiler's target flags (the extensions are built with
 // -march=native on the machine that runs them, keyed on its CPU flags): AVX-512 (F + BW) when
@@ -49,6 +52,61 @@ namespace pdq {
 
 
 constexpr int64_t G = 32;
+
+// A scale or minimum as the file stores it: IEEE binary16 bits. f16 widens one to float32,
+// exactly (every binary16 value is a float32 value).
+using scale_t = uint16_t;
+inline float f16(scale_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+  uint32_t u = sign;
+  if (e == 0x1F) u |= 0x7F800000u | (f << 13) | (f ? 0x400000u : 0u);  // Inf; NaN made quiet, as vcvtph2ps does
+  else if (e != 0) u |= ((e + 112) << 23) | (f << 13);
+  else if (f != 0) {  // subnormal: f 2^-24 = (1.f') 2^(e' - 127)
+    int top = 9;
+    while (!(f & (1u << top))) --top;
+    u |= static_cast<uint32_t>(top + 103) << 23 | ((f << (23 - top)) & 0x7FFFFFu);
+  }
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+// n float16 values widened to float32 (exact), 16 or 8 at a time.
+inline void widen_f16(const scale_t* s, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+#endif
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+#endif
+  for (; i < n; ++i) out[i] = f16(s[i]);
+}
+
+// The scales (and, 4-bit, minimums) of a tile of weight rows, widened to float32 once per tile
+// into this thread's buffers: the loops below read floats (a broadcast from memory per group);
+// memory and the caches hold halves. Widening each value where it is read instead cost a batch-1
+// decode step 12 % (four instructions per scale per group, on a step bound by instructions;
+// measured on AMD EPYC Zen 4, docs/decisions.md).
+struct TileScales {
+  const float* d;
+  const float* m;  // = d for 8-bit
+  template <bool Q4>
+  void widen(const scale_t* dh, const scale_t* mh, int64_t n) {
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < static_cast<size_t>(2 * n)) buffer.resize(static_cast<size_t>(2 * n));
+    widen_f16(dh, n, buffer.data());
+    if constexpr (Q4) widen_f16(mh, n, buffer.data() + n);
+    d = buffer.data();
+    m = Q4 ? buffer.data() + n : d;
+  }
+};
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PDQ_AVX512 1
@@ -126,25 +184,31 @@ inline void group_vectors(const uint8_t* codes, const float* d, const float* m, 
 #endif
 }
 
-// Called for each group g of a tile of four weight rows read from the blocks (codes, d, m at the
-// tile's first row): prefetches the next four rows' codes (one line per 64 bytes, at the same
-// offset) and their scales and minimums (4 ng floats each, one line per 16). The hardware
-// prefetchers lose the four interleaved row streams: a cold 32 MB Q8_0 LM head read at
-// 3.6 GB/s per core, where a sequential sum reads 16 GB/s (AVX2 EPYC, docs/decisions.md).
+// Called for each group g of a tile of four weight rows read from the blocks (codes at the tile's
+// first row): prefetches the next four rows' codes (one line per 64 bytes, at the same offset).
+// The hardware prefetchers lose the four interleaved row streams: a cold 32 MB Q8_0 LM head read
+// at 3.6 GB/s per core, where a sequential sum reads 16 GB/s (AVX2 EPYC, docs/decisions.md).
 // Prefetching past the caller's rows (another thread's, or the end) is harmless.
 #ifndef PDQ_AHEAD
 #define PDQ_AHEAD 16  // weight rows ahead (four tiles)
 #endif
 template <bool Q4>
-inline void prefetch_next_tile(const uint8_t* codes, const float* d, const float* m, int64_t row_bytes, int64_t ng,
-                               int64_t g) {
+inline void prefetch_next_tile(const uint8_t* codes, int64_t row_bytes, int64_t g) {
   if constexpr (PDQ_AHEAD == 0) return;
   constexpr int64_t bytes = Q4 ? G / 2 : G;
   if ((g * bytes) % 64 == 0)
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(codes + (PDQ_AHEAD + j) * row_bytes + g * bytes), _MM_HINT_T0);
-  if (g * 16 < 4 * ng) {
-    _mm_prefetch(reinterpret_cast<const char*>(d + PDQ_AHEAD * ng + g * 16), _MM_HINT_T0);
-    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(m + PDQ_AHEAD * ng + g * 16), _MM_HINT_T0);
+}
+
+// Called once per tile of four weight rows (scales, minimums at the tile's first row, float16):
+// prefetches the scales and minimums of the four rows PDQ_AHEAD ahead (4 ng halves each, one line
+// per 32), which TileScales widens when their tile starts.
+template <bool Q4>
+inline void prefetch_next_scales(const scale_t* d, const scale_t* m, int64_t ng) {
+  if constexpr (PDQ_AHEAD == 0) return;
+  for (int64_t i = 0; i < 4 * ng; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(d + PDQ_AHEAD * ng + i), _MM_HINT_T0);
+    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(m + PDQ_AHEAD * ng + i), _MM_HINT_T0);
   }
 }
 
@@ -326,7 +390,7 @@ inline void tile_registers(const typename A::X* x, int64_t K, const uint8_t* cod
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = A::zero();
   for (int64_t g = 0; g < ng; ++g) {
-    prefetch_next_tile<Q4>(codes, d, m, row_bytes, ng, g);
+    prefetch_next_tile<Q4>(codes, row_bytes, g);
     typename A::Wv w[NB][A::kSteps];
     for (int j = 0; j < NB; ++j)
       A::template group<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g, w[j]);
@@ -455,17 +519,20 @@ inline void with_tile_width(int nb, F&& f) {
 // (AVX-512 4 x 4: 16 steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of widening again per
 // four rows.
 template <typename A, bool Q4>
-inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                            const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d,
+                            const scale_t* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (M <= 0) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   thread_local std::vector<typename A::W> widened;
   if (M > 4) widened.resize(static_cast<size_t>(4 * K));
+  TileScales ts;
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const uint8_t* c = codes + n * row_bytes;
-    const float* dn = d + n * ng;
-    const float* mn = Q4 ? m + n * ng : d;
+    prefetch_next_scales<Q4>(d + n * ng, m + n * ng, ng);
+    ts.widen<Q4>(d + n * ng, m + n * ng, nb * ng);
+    const float* dn = ts.d;
+    const float* mn = ts.m;
     if (M <= 4) {
       with_tile_width(nb, [&](auto nbc) {
         rows_registers<A, Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
@@ -474,7 +541,7 @@ inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const 
     }
     for (int j = 0; j < nb; ++j)
       for (int64_t g = 0; g < ng; ++g) {
-        if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
+        if (j == 0) prefetch_next_tile<Q4>(c, row_bytes, g);
         typename A::Wv w[A::kSteps];
         A::template group<Q4>(c + j * row_bytes, dn + j * ng, Q4 ? mn + j * ng : dn, g, w);
         for (int v = 0; v < A::kSteps; ++v) A::store(widened.data() + j * K + g * G + v * A::kStep, w[v]);
@@ -488,7 +555,7 @@ inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const 
 // ---- Entry points ------------------------------------------------------------------------------
 // float32: weight rows [n0, n1) of the blocks against x float32 [M, K]: y[r * ldy + n].
 template <bool Q4>
-inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d, const float* m,
+inline void block_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d, const scale_t* m,
                        int64_t n0, int64_t n1, float* y, int64_t ldy) {
   block_rows_with<F32Fma, Q4>(x, M, K, codes, d, m, n0, n1, y, ldy);
 }
@@ -512,8 +579,8 @@ inline void round_rows_bf16(const float* x, int64_t n, uint16_t* out) {
 // packed into one bf16 vector; above four rows the L1 buffer holds bf16 (16 vdpbf16ps per 8
 // loads).
 template <bool Q4>
-inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                            const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+inline void block_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d,
+                            const scale_t* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   block_rows_with<Bf16Dot, Q4>(xb, M, K, codes, d, m, n0, n1, y, ldy);
 }
 #endif
@@ -703,7 +770,8 @@ inline void amx_steps(const uint16_t* wt, int64_t kc, const uint16_t* xv, int64_
   }
 }
 
-// Steps t0 .. t1 - 1 of weight rows [0, rows) (rows <= 16 NB; codes, d, m at the first) widened to
+// Steps t0 .. t1 - 1 of weight rows [0, rows) (rows <= 16 NB; codes, d, m at the first; d and m
+// widened to float32, TileScales) widened to
 // bf16 (the same values as Bf16Dot::group's) as A tiles: wt + (b kc + t - t0) 512 holds block b's
 // step t, rows past `rows` zero (their sums are never read). `next` is where the codes after these
 // rows start (prefetched once the last step is reached).
@@ -722,10 +790,6 @@ inline void amx_widen(const uint8_t* codes, const float* d, const float* m, int6
     const float* mi = Q4 ? m + i * nt : di;
     _mm_prefetch(reinterpret_cast<const char*>(t1 < nt ? ci + t1 * bytes : next + i * row_bytes), _MM_HINT_T0);
     for (int64_t t = t0; t < t1; ++t) {
-      if (t % 16 == 0) {  // the scales and minimums, a line of 16 ahead
-        _mm_prefetch(reinterpret_cast<const char*>(di + t + 16), _MM_HINT_T0);
-        if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mi + t + 16), _MM_HINT_T0);
-      }
       if constexpr (Q4) {
         if (t + 1 < t1) {
           amx_q4_groups(ci + t * bytes, di + t, mi + t, wi + (t - t0) * kAmxTile, wi + (t + 1 - t0) * kAmxTile);
@@ -789,8 +853,8 @@ inline void amx_chain_steps(const uint16_t* wt, const uint16_t* xv, int64_t nt, 
 // passes of 64 or 128 rows, or one pass of all rows, slower (all of x no longer stays in L2).
 // amx_permitted() must have been true.
 template <bool Q4>
-inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                           const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d,
+                           const scale_t* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (M <= 0 || n0 >= n1) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G, nj = (M + 15) / 16;
   alignas(64) float c[4 * 256];
@@ -804,6 +868,7 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
           for (int i = 0; i < std::min(16, rows - 16 * b); ++i) yr[i] = cb[16 * i];
         }
   };
+  TileScales ts;  // a block's scales and minimums as float32 (read sequentially: no prefetch needed)
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
@@ -821,9 +886,8 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
         const int rows = static_cast<int>(std::min<int64_t>(32, n1 - n));
         const int nb = (rows + 15) / 16;
         const uint8_t* cn = codes + n * row_bytes;
-        const float* dn = d + n * ng;
-        const float* mn = Q4 ? m + n * ng : dn;
-        amx_widen<Q4, 2>(cn, dn, mn, row_bytes, ng, rows, cn + 32 * row_bytes, 0, ng, ng, wide);
+        ts.widen<Q4>(d + n * ng, m + n * ng, rows * ng);
+        amx_widen<Q4, 2>(cn, ts.d, ts.m, row_bytes, ng, rows, cn + 32 * row_bytes, 0, ng, ng, wide);
         // K in chunks of kAmxWideSteps steps (the two blocks' 16 KiB of A tiles stay in L1 while
         // every group of x passes), each pair of groups' sums kept in sums between chunks
         for (int64_t t0 = 0; t0 < ng; t0 += kAmxWideSteps) {
@@ -851,8 +915,9 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
     const int rows = static_cast<int>(std::min<int64_t>(16 * per, n1 - n));
     const int nb = (rows + 15) / 16;
     const uint8_t* cn = codes + n * row_bytes;
-    const float* dn = d + n * ng;
-    const float* mn = Q4 ? m + n * ng : dn;
+    ts.widen<Q4>(d + n * ng, m + n * ng, rows * ng);
+    const float* dn = ts.d;
+    const float* mn = ts.m;
     const uint8_t* next = cn + 16 * per * row_bytes;
     const int jb = static_cast<int>(nj);
     auto run = [&](auto nbc, auto jbc) {
@@ -998,7 +1063,7 @@ inline __attribute__((always_inline)) void tile_q8(const RowsQ8& xr, int64_t r0,
   const float* xd = xr.d.data() + r0 * ng;
   constexpr int64_t bytes = Q4 ? G / 2 : G;
   for (int64_t g = 0; g < ng; ++g) {
-    if constexpr (!Decoded) prefetch_next_tile<Q4>(codes, d, m, row_bytes, ng, g);
+    if constexpr (!Decoded) prefetch_next_tile<Q4>(codes, row_bytes, g);
     __m256i wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j)
@@ -1032,8 +1097,8 @@ inline void rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t* codes
 // accumulators). Up to two rows of x the codes are unpacked in registers; above, four weight
 // rows are unpacked once into an L1 buffer of bytes and every tile reads it.
 template <bool Q4>
-inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t* codes, const float* d,
-                          const float* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d,
+                          const scale_t* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (M <= 0) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   thread_local std::vector<int8_t> unpacked;
@@ -1041,8 +1106,11 @@ inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t*
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const uint8_t* c = codes + n * row_bytes;
-    const float* dn = d + n * ng;
-    const float* mn = Q4 ? m + n * ng : d;
+    prefetch_next_scales<Q4>(d + n * ng, m + n * ng, ng);
+    TileScales ts;
+    ts.widen<Q4>(d + n * ng, m + n * ng, nb * ng);
+    const float* dn = ts.d;
+    const float* mn = ts.m;
     if (M <= 2) {
       with_tile_width(nb, [&](auto nbc) {
         rows_q8<Q4, false, decltype(nbc)::value>(xr, M, K, c, nullptr, dn, mn, row_bytes, ng, y + n, ldy);
@@ -1051,7 +1119,7 @@ inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t*
     }
     for (int j = 0; j < nb; ++j)
       for (int64_t g = 0; g < ng; ++g) {
-        if (j == 0) prefetch_next_tile<Q4>(c, dn, mn, row_bytes, ng, g);
+        if (j == 0) prefetch_next_tile<Q4>(c, row_bytes, g);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(unpacked.data() + j * K + g * G),
                             group_codes<Q4>(c + j * row_bytes + g * (Q4 ? G / 2 : G)));
       }

@@ -3,7 +3,8 @@
 //   element j + 16 in the high one, as ggml's dequantize_row_q4_1), w = q * d + m
 //   (Q4_0: m = -8 d, exact in float32);
 //   8-bit (Q8_0): per 32 inputs, 32 int8 codes, w = q * d.
-// d and m arrive as float32 [N, K / 32] (the file's fp16, widened exactly).
+// d and m arrive as float16 [N, K / 32], the file's scales and minimums as stored (quant_block.h
+// widens a tile's at a time to float32, exactly).
 //
 // Why our own kernel: torch 2.13's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm have
 // vectorized paths for AVX-512 only; on an AVX2-only CPU they ran 15-50x slower than an fp32
@@ -33,7 +34,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % G == 0, "K must be a multiple of 32");
   TORCH_CHECK(codes.size(1) == (Q4 ? K / 2 : K), "codes must be [N, K/2] (4-bit) or [N, K] (8-bit)");
-  TORCH_CHECK(d.size(0) == N && d.size(1) == K / G && d.scalar_type() == torch::kFloat, "d must be float32 [N, K/32]");
+  TORCH_CHECK(d.size(0) == N && d.size(1) == K / G && d.scalar_type() == torch::kHalf, "d must be float16 [N, K/32]");
+  TORCH_CHECK(!Q4 || (m.scalar_type() == torch::kHalf && m.sizes() == d.sizes()), "m must be float16 [N, K/32]");
   auto xc = x.contiguous();
   auto cc = codes.contiguous();
   auto dc = d.contiguous();
@@ -41,8 +43,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   auto out = torch::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
-  const float* dp = dc.data_ptr<float>();
-  const float* mp = mc.data_ptr<float>();
+  const pdq::scale_t* dp = reinterpret_cast<const pdq::scale_t*>(dc.data_ptr());
+  const pdq::scale_t* mp = reinterpret_cast<const pdq::scale_t*>(mc.data_ptr());
   float* op = out.data_ptr<float>();
   TORCH_CHECK(int(bf16) + int(int8) + int(amx) <= 1, "bf16, int8 and amx are different arithmetics: choose one");
   TORCH_CHECK(!amx || pdq::has_amx(), "amx needs a build with AMX tiles on a CPU and kernel that grant them (has_amx)");
@@ -90,17 +92,19 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   auto cc = codes.contiguous();
   auto dc = d.contiguous();
   auto mc = Q4 ? m.contiguous() : dc;
-  auto out = torch::empty({N, K}, d.options());
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && (!Q4 || m.scalar_type() == torch::kHalf), "d and m must be float16");
+  auto out = torch::empty({N, K}, d.options().dtype(torch::kFloat));
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
-  const float* dp = dc.data_ptr<float>();
-  const float* mp = mc.data_ptr<float>();
+  const pdq::scale_t* dp = reinterpret_cast<const pdq::scale_t*>(dc.data_ptr());
+  const pdq::scale_t* mp = reinterpret_cast<const pdq::scale_t*>(mc.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     __m256 w[4];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t g = 0; g < ng; ++g) {
-        load_group<Q4>(cp + n * row_bytes + g * (Q4 ? G / 2 : G), dp[n * ng + g], Q4 ? mp[n * ng + g] : 0.f, w);
+        load_group<Q4>(cp + n * row_bytes + g * (Q4 ? G / 2 : G), pdq::f16(dp[n * ng + g]),
+                        Q4 ? pdq::f16(mp[n * ng + g]) : 0.f, w);
         for (int c = 0; c < 4; ++c) _mm256_storeu_ps(op + n * K + g * G + 8 * c, w[c]);
       }
   });

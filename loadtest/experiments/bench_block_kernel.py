@@ -31,8 +31,8 @@ def _layer(bits: int, n: int, k: int, gen: torch.Generator):
     codes = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), generator=gen, dtype=torch.uint8)
     if bits == 8:
         codes = codes.view(torch.int8)
-    d = torch.rand(n, k // 32, generator=gen) * 0.02
-    m = -8 * d if bits == 4 else torch.empty(0)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()  # float16, as GGUF stores them
+    m = -8 * d if bits == 4 else torch.empty(0, dtype=torch.float16)
     return codes, d, m
 
 

@@ -52,7 +52,7 @@ def _kernel_call(kernel: str, rows: int):
         n, k = 4096, 2048
         x = torch.randn(rows, k)
         codes = torch.randint(0, 255, (n, k // 2), dtype=torch.uint8)
-        d, m = torch.rand(n, k // 32), torch.rand(n, k // 32)
+        d, m = torch.rand(n, k // 32).half(), torch.rand(n, k // 32).half()
         return lambda: ext.q4_linear(x, codes, d, m)
     ext = quant.load_fused()
     x, w = torch.randn(rows * 64, 2048), torch.rand(2048)

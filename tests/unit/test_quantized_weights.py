@@ -38,6 +38,27 @@ def test_blocks_kept_exactly_and_multiplied_like_the_gguf_dequantization(qtype):
         torch.testing.assert_close(layer(x), x @ reference.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_scales_are_kept_as_the_files_float16_and_other_values_are_refused(qtype):
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype)))
+    assert layer.scale.dtype == torch.float16  # 4 bytes a group, not 8
+    assert layer.minimum.dtype == torch.float16
+    raw = _blocks(qtype).reshape(48, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype])
+    assert torch.equal(layer.scale, torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0]))  # the file's bits
+    if qtype == "Q4_0":  # m = -8 d, exact in float16
+        assert torch.equal(layer.minimum.float(), -8 * layer.scale.float())
+    scale = layer.scale.float()
+    scale[3, 1] += 1e-6  # not a float16 value
+    with pytest.raises(ValueError, match="1 of .* would be rounded"):
+        BlockLinear(layer.bits, layer.codes, scale, layer.minimum if layer.bits == 4 else None)
+    from kernels.cpu import quant
+
+    ext = quant.load()
+    kernel = ext.q4_linear if layer.bits == 4 else ext.q8_linear
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel(torch.randn(2, layer.in_features), layer.codes, layer.scale.float(), layer.minimum.float())
+
+
 def _kernel_ext(path: str):
     """The quant_linear build for ``path`` (float32, bf16 on this CPU, bf16 emulated, amx), or skip."""
     from kernels.cpu import quant
