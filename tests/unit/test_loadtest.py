@@ -146,3 +146,17 @@ def test_free_ports_are_distinct_bindable_and_never_ephemeral():
     finally:
         for s in held:
             s.close()
+
+
+def test_http_verdicts_judge_the_chunk_gap_and_report_time_per_token_beside_it():
+    from loadtest.bench_http import http_verdicts
+
+    nan = float("nan")
+    rows = [("pdserve up", 1, 13.2, 6.1, 44, 167.2, ""), ("pdserve up", 8, 37.3, 20.0, 2032, 133.0, ""),
+            ("llama.cpp server -t 2", 1, 9.7, 10.3, 24, 97.3, ""), ("llama.cpp server -t 2", 8, 39.5, 40.0, 5461, 40.0, ""),
+            ("llama.cpp server -t 2", 32, nan, nan, nan, nan, "did not start")]
+    lines = http_verdicts(rows)
+    assert lines[0] == "ITL p50 at concurrency 1: pdserve 13.2 ms / llama.cpp 9.7 ms = 1.36x (target <= 1x: MISSES)"
+    assert lines[1].startswith("TPOT p50 at concurrency 1: pdserve 6.1 ms / llama.cpp 10.3 ms = 0.59x")
+    assert lines[2] == "output tok/s at concurrency 8: 3.33x llama.cpp (target >= 3x: meets)"
+    assert len(lines) == 3  # no verdict at 32: llama.cpp's row has no rate
