@@ -4,10 +4,11 @@
 
 * 4-bit (from Q4_0 / Q4_1): the file's codes, unchanged and packed as in the file (byte ``j``
   of a group: element ``j`` low nibble, ``j + 16`` high), ``w = q * d + m``. Q4_1 gives
-  ``d, m`` directly; Q4_0 (``w = (q - 8) d``) becomes ``m = -8 d``, exact in float16. ``d``
+  ``d, m`` directly; Q4_0 (``w = (q - 8) d``) becomes ``m = -8 d``, exact in float16 while
+  ``|d| <= 8188`` (weights within float16's range; a larger scale raises ``ValueError``). ``d``
   and ``m`` stay float16 as the file stores them (4 bytes a group where float32 took 8: 17 %
-  fewer bytes for a 4-bit row to stream at batch 1); the kernel widens each to float32 exactly
-  where it reads it, so nothing is rounded or re-quantized.
+  fewer bytes for a 4-bit row); the kernel widens a tile's at a time to float32, exactly, so
+  nothing is rounded or re-quantized.
 * 8-bit (from Q8_0, or ``PD_WEIGHTS=int8`` for any float model, quantized to Q8_0 by
   :func:`engine.model.weights.quantize_float`): int8 codes, ``w = q * d``, the file's codes and scales.
 

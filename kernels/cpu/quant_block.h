@@ -3,7 +3,7 @@
 //
 //   4-bit (Q4_0 / Q4_1): per 32 inputs, 16 bytes of codes (byte j: element j in the low
 //   nibble, element j + 16 in the high one, as ggml's dequantize_row_q4_1), w = q * d + m
-//   (Q4_0: m = -8 d, exact in float32);  8-bit (Q8_0): 32 int8 codes, w = q * d.
+//   (Q4_0: m = -8 d, exact in float16 while |d| <= 8188);  8-bit (Q8_0): 32 int8 codes, w = q * d.
 //   d and m are the file's float16 [N, K / 32] as stored (scale_t): 4 bytes a group where float32
 //   took 8, so a 4-bit row is 17 % fewer bytes to stream. Each entry point widens a tile's
 //   scales to float32 (exact) once, into a buffer of its thread (TileScales), and the loops read

@@ -1,7 +1,7 @@
 // y = x W^T for a few rows of x, with W kept in GGUF's block formats as stored (no re-quantization):
 //   4-bit (Q4_0 / Q4_1): per 32 inputs, 16 bytes of codes (byte j: element j in the low nibble,
 //   element j + 16 in the high one, as ggml's dequantize_row_q4_1), w = q * d + m
-//   (Q4_0: m = -8 d, exact in float32);
+//   (Q4_0: m = -8 d, exact in float16 while |d| <= 8188);
 //   8-bit (Q8_0): per 32 inputs, 32 int8 codes, w = q * d.
 // d and m arrive as float16 [N, K / 32], the file's scales and minimums as stored (quant_block.h
 // widens a tile's at a time to float32, exactly).
@@ -92,7 +92,8 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
   auto cc = codes.contiguous();
   auto dc = d.contiguous();
   auto mc = Q4 ? m.contiguous() : dc;
-  TORCH_CHECK(d.scalar_type() == torch::kHalf && (!Q4 || m.scalar_type() == torch::kHalf), "d and m must be float16");
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && codes.size(0) == d.size(0), "d must be float16 [N, K/32]");
+  TORCH_CHECK(!Q4 || (m.scalar_type() == torch::kHalf && m.sizes() == d.sizes()), "m must be float16 [N, K/32]");
   auto out = torch::empty({N, K}, d.options().dtype(torch::kFloat));
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
   const pdq::scale_t* dp = reinterpret_cast<const pdq::scale_t*>(dc.data_ptr());

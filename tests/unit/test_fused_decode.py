@@ -157,7 +157,7 @@ def test_a_quantized_head_gives_float32_logits_in_a_bfloat16_model(tiny_model):
     from engine.model_runner import float_logits_from_quantized_head
 
     model = copy.deepcopy(tiny_model[0]).to(torch.bfloat16)
-    quantize_float(model, "Q4_1")  # as the engine does: quantized after the cast (scales stay float32)
+    quantize_float(model, "Q4_1")  # as the engine does: quantized after the cast (scales stay the file's float16)
     x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
     assert model.lm_head(x).dtype == torch.bfloat16
     float_logits_from_quantized_head(model)
