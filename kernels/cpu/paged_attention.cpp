@@ -794,6 +794,8 @@ constexpr int64_t kStageV = int64_t{256} << 10;
 
 // Rows of keys [t0, t1) (clipped at n) of one head's cache (cache at its first element; table,
 // block_size, block_stride, row as Tile::run's) asked for with __builtin_prefetch locality L.
+// Each key's address is computed on its own (a division each): the same addresses computed once
+// per block came out as a burst and gained nothing (docs/decisions.md), the spread-out ones did.
 template <int L>
 inline void prefetch_keys(const uint16_t* cache, int64_t t0, int64_t t1, int64_t n, int64_t D, const int64_t* table,
                           int64_t block_size, int64_t block_stride, int64_t row) {
