@@ -94,17 +94,24 @@ inline void widen_f16(const scale_t* s, int64_t n, float* out) {
 // memory and the caches hold halves. Widening each value where it is read instead cost a batch-1
 // decode step 12 % (four instructions per scale per group, on a step bound by instructions;
 // measured on AMD EPYC Zen 4, docs/decisions.md).
+// The thread's buffer is looked up once per call of an entry point (the constructor), not per tile.
 struct TileScales {
-  const float* d;
-  const float* m;  // = d for 8-bit
+  const float* d = nullptr;
+  const float* m = nullptr;  // = d for 8-bit
+  float* buffer;
+  int64_t capacity;  // values per tile at most
+  explicit TileScales(int64_t most) : capacity(most) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(2 * most)) scratch.resize(static_cast<size_t>(2 * most));
+    buffer = scratch.data();
+  }
+  // n <= capacity values of d (and m) widened
   template <bool Q4>
   void widen(const scale_t* dh, const scale_t* mh, int64_t n) {
-    thread_local std::vector<float> buffer;
-    if (buffer.size() < static_cast<size_t>(2 * n)) buffer.resize(static_cast<size_t>(2 * n));
-    widen_f16(dh, n, buffer.data());
-    if constexpr (Q4) widen_f16(mh, n, buffer.data() + n);
-    d = buffer.data();
-    m = Q4 ? buffer.data() + n : d;
+    widen_f16(dh, n, buffer);
+    if constexpr (Q4) widen_f16(mh, n, buffer + capacity);
+    d = buffer;
+    m = Q4 ? buffer + capacity : d;
   }
 };
 
@@ -525,7 +532,7 @@ inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const 
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   thread_local std::vector<typename A::W> widened;
   if (M > 4) widened.resize(static_cast<size_t>(4 * K));
-  TileScales ts;
+  TileScales ts(4 * ng);
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const uint8_t* c = codes + n * row_bytes;
@@ -868,7 +875,7 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
           for (int i = 0; i < std::min(16, rows - 16 * b); ++i) yr[i] = cb[16 * i];
         }
   };
-  TileScales ts;  // a block's scales and minimums as float32 (read sequentially: no prefetch needed)
+  TileScales ts(64 * ng);  // a block's (<= 64 rows) scales as float32 (read in order: no prefetch needed)
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
@@ -1103,11 +1110,11 @@ inline void block_rows_q8(const RowsQ8& xr, int64_t M, int64_t K, const uint8_t*
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   thread_local std::vector<int8_t> unpacked;
   if (M > 2) unpacked.resize(static_cast<size_t>(4 * K));
+  TileScales ts(4 * ng);
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
     const uint8_t* c = codes + n * row_bytes;
     prefetch_next_scales<Q4>(d + n * ng, m + n * ng, ng);
-    TileScales ts;
     ts.widen<Q4>(d + n * ng, m + n * ng, nb * ng);
     const float* dn = ts.d;
     const float* mn = ts.m;
