@@ -254,6 +254,27 @@ void for_each_item(int64_t n, Body&& body) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next_item); });
 }
 
+// Queries per tile of the prefill kernels. tile_arg > 0: that many (a test's choice). Otherwise
+// the tile's score rows (tile * group * context_len floats) kept near 1 MiB, so they stay in L2
+// between the two passes, clamped to 4..64; with `balance`, also small enough that the work items
+// (tiles x KV heads) number at least kItemsPerThread per thread: a 64-query call of SmolLM2 (3 KV
+// heads) at a context up to ~1,400 tokens was one tile, 3 items on 2 threads, one thread idle half
+// the call (AVX2 EPYC, 2 threads: 16-query tiles 20-35 % faster at contexts 128-1,024, equal at
+// 2,048-4,096; docs/decisions.md). Then the tiles are evened out. Only speed depends on the tile.
+constexpr int64_t kItemsPerThread = 6;
+inline int64_t prefill_tile(int64_t n, int64_t group, int64_t context_len, int64_t num_kv_heads, int64_t tile_arg,
+                            bool balance) {
+  if (tile_arg > 0) return std::min<int64_t>(tile_arg, 64);
+  int64_t tile = std::clamp<int64_t>((int64_t{1} << 18) / std::max<int64_t>(1, group * context_len), 4, 64);
+  if (balance) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t tiles = (kItemsPerThread * threads + num_kv_heads - 1) / num_kv_heads;  // tiles wanted
+    tile = std::max<int64_t>(4, std::min(tile, (n + tiles - 1) / tiles));
+  }
+  const int64_t num_tiles = (n + tile - 1) / tile;
+  return (n + num_tiles - 1) / num_tiles;  // even tiles
+}
+
 // DC: head_dim known at compile time (64, 128), so the per-head loops unroll fully and the
 // accumulators stay in registers; DC = 0 takes head_dim at run time.
 template <typename KV, int64_t DC>
@@ -376,11 +397,7 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
   const int64_t row = num_kv_heads * D;
   const int64_t block_stride = block_size * row;
   const int64_t prefix = context_len - n;
-  // Queries per tile: the tile's score rows (tile * group * context_len floats) kept near
-  // 1 MiB, so they stay in L2 between the two passes; 4..64. Only speed depends on it.
-  int64_t tile = tile_arg > 0 ? tile_arg : (int64_t{1} << 18) / std::max<int64_t>(1, group * context_len);
-  tile = std::clamp<int64_t>(tile, tile_arg > 0 ? 1 : 4, 64);
-  if (tile_arg <= 0) tile = (n + (n + tile - 1) / tile - 1) / ((n + tile - 1) / tile);  // even tiles
+  const int64_t tile = prefill_tile(n, group, context_len, num_kv_heads, tile_arg, /*balance=*/true);
   const int64_t num_tiles = (n + tile - 1) / tile;
 
   const float* q = query.data_ptr<float>();
@@ -1121,9 +1138,7 @@ void run_prefill_bf16(const torch::Tensor& query, const torch::Tensor& k_cache, 
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * DC, block_stride = block_size * row;
   const int64_t prefix = context_len - n;
-  int64_t tile = tile_arg > 0 ? tile_arg : (int64_t{1} << 18) / std::max<int64_t>(1, group * context_len);
-  tile = std::clamp<int64_t>(tile, tile_arg > 0 ? 1 : 4, 64);
-  if (tile_arg <= 0) tile = (n + (n + tile - 1) / tile - 1) / ((n + tile - 1) / tile);
+  const int64_t tile = prefill_tile(n, group, context_len, num_kv_heads, tile_arg, /*balance=*/false);
   const int64_t num_tiles = (n + tile - 1) / tile;
   const float* q = query.data_ptr<float>();
   const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
