@@ -258,9 +258,9 @@ void for_each_item(int64_t n, Body&& body) {
 // the tile's score rows (tile * group * context_len floats) kept near 1 MiB, so they stay in L2
 // between the two passes, clamped to 4..64; with `balance`, also small enough that the work items
 // (tiles x KV heads) number at least kItemsPerThread per thread: a 64-query call of SmolLM2 (3 KV
-// heads) at a context up to ~1,400 tokens was one tile, 3 items on 2 threads, one thread idle half
-// the call (AVX2 EPYC, 2 threads: 16-query tiles 20-35 % faster at contexts 128-1,024, equal at
-// 2,048-4,096; docs/decisions.md). Then the tiles are evened out. Only speed depends on the tile.
+// heads) at a context up to ~1,400 tokens was one tile, 3 items on 2 threads, one thread idle a
+// third of the call (AVX2 EPYC, 2 threads: 16-query tiles 19-35 % faster a call at contexts
+// 128-1,024, equal at 2,048-4,096; docs/decisions.md). Then the tiles are evened out. Only speed depends on the tile.
 constexpr int64_t kItemsPerThread = 6;
 inline int64_t prefill_tile(int64_t n, int64_t group, int64_t context_len, int64_t num_kv_heads, int64_t tile_arg,
                             bool balance) {
