@@ -89,8 +89,11 @@ inline float max_into(float m, const float* x, int64_t n) {
 }
 
 // out[j] = q . k_j for the n rows k_j = k + j * stride (each `D` floats). Per key: one
-// accumulator over the D / 8 vectors in order, then hsum's fixed tree; the grouping of keys
-// (eight, four or one at a time) changes only speed.
+// accumulator over the D / 8 vectors in order, then hsum's fixed tree; keys are grouped eight,
+// then four, then one at a time from the first. The groupings were meant to give the same bits,
+// but on the AVX-512 Xeon (GCC 12, -march=native) a key's score differed in the last bit
+// between them (2026-12-06), so every caller groups a row's keys from the block's first key
+// the same way, decode and prefill alike (dot_rows2 pairs only whole groups of eight).
 template <int64_t DC>
 inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float* out) {
   if constexpr (DC > 0 && DC % 8 == 0) {
@@ -161,6 +164,92 @@ inline void axpy_rows(const float* p, const float* v, int64_t stride, int64_t n,
     }
   }
 }
+
+#if defined(__AVX512F__) && defined(__FMA__)
+#define PDA_PAIRS 1
+// Two queries at once on 16 lanes (AVX-512), for the prefill tiles, where every query of a tile
+// reads the same key and value rows: lanes 0-7 carry query a's eight accumulator chains, lanes
+// 8-15 query b's, each chain exactly the one dot_rows / axpy_rows keep on 8 lanes (the same
+// products, fused multiply-adds and order), so the results are those of two single calls, bit
+// for bit, at twice the width: the 8-lane loops use half of an AVX-512 core's FMA width.
+
+// outa[j] = hsum(low half of a[j]), outb[j] = hsum(high half) for j < 8: hsum8's additions for
+// both halves at once. AVX-512 has no horizontal add; hadd(x, y) within each 128-bit lane is
+// (even elements) + (odd elements), the same two operands per sum.
+inline __m512 hadd16(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline void hsum8x2(const __m512 a[8], float* outa, float* outb) {
+  __m512 p[4];
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: [a key 2i, b key 2i, a key 2i + 1, b key 2i + 1], lane i + lane i + 4
+    const __m512 x0 = a[2 * i], x1 = a[2 * i + 1];
+    p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // 128-bit lanes: a's keys 0 2 4 6, b's keys 0 2 4 6, a's keys 1 3 5 7, b's keys 1 3 5 7
+  const __m512 s = hadd16(hadd16(p[0], p[1]), hadd16(p[2], p[3]));
+  const __m512 r = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), s);
+  _mm256_storeu_ps(outa, _mm512_castps512_ps256(r));
+  _mm256_storeu_ps(outb, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+}
+
+// dot_rows for two queries, each over its own n key rows (ka, kb: the same rows in a prefill tile,
+// two KV heads' rows in decode): outa[j] = qa . ka_j, outb[j] = qb . kb_j.
+template <int64_t DC>
+inline void dot_rows2(const float* qa, const float* ka, const float* qb, const float* kb, int64_t stride, int64_t n,
+                      float* outa, float* outb) {
+  static_assert(DC > 0 && DC % 8 == 0);
+  constexpr int64_t V = DC / 8;
+  __m512 qv[V];
+  for (int64_t v = 0; v < V; ++v)
+    qv[v] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + 8 * v)), _mm256_loadu_ps(qb + 8 * v), 1);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m512 a[8];
+    // lanes 0-7 from ka's row, 8-15 from kb's: one broadcast load when they are the same row
+    auto keys = [&](int r, int64_t v) {
+      const float* x = ka + (j + r) * stride + 8 * v;
+      const float* y = kb + (j + r) * stride + 8 * v;
+      return ka == kb ? _mm512_broadcast_f32x8(_mm256_loadu_ps(x))
+                      : _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(x)), _mm256_loadu_ps(y), 1);
+    };
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_mul_ps(qv[0], keys(r, 0));
+    for (int64_t v = 1; v < V; ++v)
+      for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qv[v], keys(r, v), a[r]);
+    hsum8x2(a, outa + j, outb + j);
+  }
+  if (j < n) {
+    dot_rows<DC>(qa, ka + j * stride, stride, n - j, DC, outa + j);
+    dot_rows<DC>(qb, kb + j * stride, stride, n - j, DC, outb + j);
+  }
+}
+
+// axpy_rows for two weight rows, each over its own n value rows (va, vb; the same rows in a
+// prefill tile): acca += sum_j pa[j] va_j, accb += sum_j pb[j] vb_j.
+template <int64_t DC>
+inline void axpy_rows2(const float* pa, const float* va, const float* pb, const float* vb, int64_t stride, int64_t n,
+                       float* acca, float* accb) {
+  static_assert(DC > 0 && DC % 16 == 0);
+  constexpr int64_t V = DC / 16;
+  __m512 a[V], b[V];
+  for (int64_t u = 0; u < V; ++u) {
+    a[u] = _mm512_loadu_ps(acca + 16 * u);
+    b[u] = _mm512_loadu_ps(accb + 16 * u);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float *xa = va + j * stride, *xb = vb + j * stride;
+    const __m512 wa = _mm512_set1_ps(pa[j]), wb = _mm512_set1_ps(pb[j]);
+    for (int64_t u = 0; u < V; ++u) {
+      a[u] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xa + 16 * u), a[u]);
+      b[u] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xb + 16 * u), b[u]);
+    }
+  }
+  for (int64_t u = 0; u < V; ++u) {
+    _mm512_storeu_ps(acca + 16 * u, a[u]);
+    _mm512_storeu_ps(accb + 16 * u, b[u]);
+  }
+}
+#endif
 
 // exp(x) on 8 lanes, the same method as exp_poly (exp_poly.h); 2^n is built in the exponent bits, and
 // n = round(x log2 e) comes from the float "magic number" rounding trick (adding 1.5 * 2^23
@@ -326,15 +415,37 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
         return block_rows_f32(base, n, row, width, blk_f.data(), stride);
       };
       // Walk the sequence's blocks of one cache (K or V): for each block and query head h,
-      // fn(h, rows of h's KV head, row stride, first token, tokens in the block). The next
-      // block's prefetch is spread over the heads (a burst of a whole block's prefetches
-      // stalls on the core's miss queue).
-      auto for_each_block = [&](const KV* cache, auto&& fn) {
+      // fn(h, rows of h's KV head, row stride, first token, tokens in the block); where 16
+      // lanes allow, heads h and h + 1 of one KV head go to pair(h, their rows, stride, t0, n)
+      // together instead. The next block's prefetch is spread over the heads (a burst of a
+      // whole block's prefetches stalls on the core's miss queue).
+      auto for_each_block = [&](const KV* cache, auto&& fn, auto&& pair) {
         for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
           const int64_t n = std::min(block_size, len - t0);
           const KV* next = t0 + block_size < len ? cache + table[blk + 1] * block_stride + g0 * D : nullptr;
           int64_t stride;
           const float* rows = block_rows(cache + table[blk] * block_stride + g0 * D, n, stride);
+#if defined(PDA_PAIRS)
+          // pairs only at small batches (an item is one KV head, every head h + 1 < group
+          // shares h's rows): at 64 sequences of 512 tokens, beyond the caches, this loop was
+          // 1.3x slower a call than the one below even without pairs (AVX-512 Xeon, 2 threads),
+          // while at 1-8 sequences the pairs made a call 0.79-0.91x
+          if constexpr (DC > 0 && DC % 16 == 0)
+            if (heads_per_item == 1) {
+              for (int64_t h = 0; h < qheads; h += 2) {
+                for (int64_t i = h; i < std::min(h + 2, qheads); ++i)
+                  if (next) {
+                    const int64_t r0 = i * block_size / qheads, r1 = (i + 1) * block_size / qheads;
+                    prefetch_rows(next + r0 * row, r1 - r0, row, width);
+                  }
+                if (h + 1 < qheads)
+                  pair(h, rows, stride, t0, n);
+                else
+                  fn(h, rows, stride, t0, n);
+              }
+              continue;
+            }
+#endif
           for (int64_t h = 0; h < qheads; ++h) {
             if (next) {
               const int64_t r0 = h * block_size / qheads, r1 = (h + 1) * block_size / qheads;
@@ -346,18 +457,45 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
       };
       // pass 1: scores and their max per head
       for (int64_t h = 0; h < qheads; ++h) m[h] = -std::numeric_limits<float>::infinity();
-      for_each_block(kc, [&](int64_t h, const float* k, int64_t stride, int64_t t0, int64_t n) {
-        float* sc = scores.data() + h * len + t0;
-        dot_rows<DC>(qs.data() + h * D, k, stride, n, D, sc);
-        m[h] = max_into(m[h], sc, n);
-      });
+      for_each_block(
+          kc,
+          [&](int64_t h, const float* k, int64_t stride, int64_t t0, int64_t n) {
+            float* sc = scores.data() + h * len + t0;
+            dot_rows<DC>(qs.data() + h * D, k, stride, n, D, sc);
+            m[h] = max_into(m[h], sc, n);
+          },
+          [&](int64_t h, const float* k, auto stride, int64_t t0, int64_t n) {
+#if defined(PDA_PAIRS)
+            if constexpr (DC > 0 && DC % 16 == 0) {
+              const float *ka = k, *kb = k;
+              float *sa = scores.data() + h * len + t0, *sb = sa + len;
+              // pairs over whole groups of 8 keys; the rest as dot_rows groups it for one head
+              const int64_t n8 = n / 8 * 8;
+              dot_rows2<DC>(qs.data() + h * D, ka, qs.data() + (h + 1) * D, kb, stride, n8, sa, sb);
+              dot_rows<DC>(qs.data() + h * D, ka + n8 * stride, stride, n - n8, D, sa + n8);
+              dot_rows<DC>(qs.data() + (h + 1) * D, kb + n8 * stride, stride, n - n8, D, sb + n8);
+              m[h] = max_into(m[h], sa, n);
+              m[h + 1] = max_into(m[h + 1], sb, n);
+            }
+#endif
+          });
       // softmax weights
       for (int64_t h = 0; h < qheads; ++h) inv[h] = 1.f / exp_sub_sum(scores.data() + h * len, len, m[h]);
       // pass 2: weighted V
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block(vc, [&](int64_t h, const float* v, int64_t stride, int64_t t0, int64_t n) {
-        axpy_rows<DC>(scores.data() + h * len + t0, v, stride, n, D, acc.data() + h * D);
-      });
+      for_each_block(
+          vc,
+          [&](int64_t h, const float* v, int64_t stride, int64_t t0, int64_t n) {
+            axpy_rows<DC>(scores.data() + h * len + t0, v, stride, n, D, acc.data() + h * D);
+          },
+          [&](int64_t h, const float* v, auto stride, int64_t t0, int64_t n) {
+#if defined(PDA_PAIRS)
+            if constexpr (DC > 0 && DC % 16 == 0) {
+              const float* pa = scores.data() + h * len + t0;
+              axpy_rows2<DC>(pa, v, pa + len, v, stride, n, acc.data() + h * D, acc.data() + (h + 1) * D);
+            }
+#endif
+          });
       for (int64_t h = 0; h < qheads; ++h) {
         float* oh = o + (b * num_heads + g0 * group + h) * D;
         for (int64_t i = 0; i < D; ++i) oh[i] = acc[h * D + i] * inv[h];
@@ -429,9 +567,13 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
       auto block_rows = [&](const KV* base, int64_t nb, int64_t& stride) {
         return block_rows_f32(base, nb, row, D, blk_f.data(), stride);
       };
-      // fn(r, h, rows, stride, t0, tokens of the block query r sees) for every query of the
-      // tile whose context reaches the block, blocks in order
-      auto for_each_block = [&](const KV* cache, auto&& fn) {
+      // Blocks in order; for each, fn(k, rows, stride, t0, n_k) for every row k = r * group + h
+      // (query r of the tile, head h of the group) whose query's context reaches the block, n_k
+      // being the block's tokens that query sees. Where 16 lanes allow, rows k and k + 1 go to
+      // pair(k, rows, stride, t0, n_k, n_k+1) together instead (n_k <= n_k+1: row k + 1's query
+      // is the same or the next one).
+      auto for_each_block = [&](const KV* cache, auto&& fn, auto&& pair) {
+        const int64_t k_end = T * group;
         for (int64_t t0 = 0, blk = 0; t0 < max_len; t0 += block_size, ++blk) {
           const int64_t nb = std::min(block_size, max_len - t0);
           if (t0 + block_size < max_len)
@@ -439,25 +581,58 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
                           row, D);
           int64_t stride;
           const float* rows = block_rows(cache + table[blk] * block_stride + g * D, nb, stride);
-          for (int64_t r = std::max<int64_t>(0, t0 - prefix - i0); r < T; ++r) {  // query r sees t < prefix + i0 + r + 1
-            const int64_t nr = std::min(nb, prefix + i0 + r + 1 - t0);
-            for (int64_t h = 0; h < group; ++h) fn(r, h, rows, stride, t0, nr);
-          }
+          // query r sees t < prefix + i0 + r + 1
+          auto seen = [&](int64_t k) { return std::min(nb, prefix + i0 + k / group + 1 - t0); };
+          int64_t k = std::max<int64_t>(0, t0 - prefix - i0) * group;
+#if defined(PDA_PAIRS)
+          if constexpr (DC > 0 && DC % 16 == 0)
+            for (; k + 1 < k_end; k += 2) pair(k, rows, stride, t0, seen(k), seen(k + 1));
+#endif
+          for (; k < k_end; ++k) fn(k, rows, stride, t0, seen(k));
         }
       };
+      auto score_at = [&](int64_t k) { return scores.data() + k * max_len; };
       for (int64_t k = 0; k < T * group; ++k) m[k] = -std::numeric_limits<float>::infinity();
-      for_each_block(kc, [&](int64_t r, int64_t h, const float* k, int64_t stride, int64_t t0, int64_t nr) {
-        float* sc = score_row(r, h) + t0;
-        dot_rows<DC>(qs.data() + (r * group + h) * D, k, stride, nr, D, sc);
-        m[r * group + h] = max_into(m[r * group + h], sc, nr);
-      });
+      for_each_block(
+          kc,
+          [&](int64_t k, const float* kr, int64_t stride, int64_t t0, int64_t nr) {
+            float* sc = score_at(k) + t0;
+            dot_rows<DC>(qs.data() + k * D, kr, stride, nr, D, sc);
+            m[k] = max_into(m[k], sc, nr);
+          },
+          [&](int64_t k, const float* kr, auto stride, int64_t t0, int64_t na, int64_t nb) {
+#if defined(PDA_PAIRS)
+            if constexpr (DC > 0 && DC % 16 == 0) {
+              float *sa = score_at(k) + t0, *sb = score_at(k + 1) + t0;
+              // pairs over whole groups of 8 keys; each row's rest as dot_rows groups it alone
+              const int64_t n8 = na / 8 * 8;
+              dot_rows2<DC>(qs.data() + k * D, kr, qs.data() + (k + 1) * D, kr, stride, n8, sa, sb);
+              dot_rows<DC>(qs.data() + k * D, kr + n8 * stride, stride, na - n8, D, sa + n8);
+              dot_rows<DC>(qs.data() + (k + 1) * D, kr + n8 * stride, stride, nb - n8, D, sb + n8);
+              m[k] = max_into(m[k], sa, na);
+              m[k + 1] = max_into(m[k + 1], sb, nb);
+            }
+#endif
+          });
       for (int64_t r = 0; r < T; ++r)
         for (int64_t h = 0; h < group; ++h)
           inv[r * group + h] = 1.f / exp_sub_sum(score_row(r, h), prefix + i0 + r + 1, m[r * group + h]);
       std::fill(acc.begin(), acc.begin() + T * group * D, 0.f);
-      for_each_block(vc, [&](int64_t r, int64_t h, const float* v, int64_t stride, int64_t t0, int64_t nr) {
-        axpy_rows<DC>(score_row(r, h) + t0, v, stride, nr, D, acc.data() + (r * group + h) * D);
-      });
+      for_each_block(
+          vc,
+          [&](int64_t k, const float* v, int64_t stride, int64_t t0, int64_t nr) {
+            axpy_rows<DC>(score_at(k) + t0, v, stride, nr, D, acc.data() + k * D);
+          },
+          [&](int64_t k, const float* v, auto stride, int64_t t0, int64_t na, int64_t nb) {
+#if defined(PDA_PAIRS)
+            if constexpr (DC > 0 && DC % 16 == 0) {
+              float *aa = acc.data() + k * D, *ab = acc.data() + (k + 1) * D;
+              axpy_rows2<DC>(score_at(k) + t0, v, score_at(k + 1) + t0, v, stride, na, aa, ab);
+              // the rest of row k + 1's keys continue its chains in order
+              if (nb > na) axpy_rows<DC>(score_at(k + 1) + t0 + na, v + na * stride, stride, nb - na, D, ab);
+            }
+#endif
+          });
       for (int64_t r = 0; r < T; ++r)
         for (int64_t h = 0; h < group; ++h) {
           float* oh = o + ((i0 + r) * num_heads + g * group + h) * D;
