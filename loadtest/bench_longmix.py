@@ -153,7 +153,11 @@ def print_long_mix(rows, n: int, min_words: int, max_words: int, max_tokens: int
     theirs = next((f for s, f in figures.items() if s.startswith("llama.cpp")), None)
     if ours and theirs:
         ratio = ours["wall_s"] / theirs["wall_s"]
-        print(f"   last answer: pdserve / llama.cpp = {ratio:.2f}x (target <= 0.7x: {'meets' if ratio <= 0.7 else 'MISSES'}); "
+        # a refused or failed prompt makes the last answer come sooner: no verdict from such a run
+        refused = ours["failed"] or theirs["failed"]
+        verdict = (f"MISSES: {ours['failed']} + {theirs['failed']} prompts failed" if refused else
+                   "meets" if ratio <= 0.7 else "MISSES")
+        print(f"   last answer: pdserve / llama.cpp = {ratio:.2f}x (target <= 0.7x: {verdict}); "
               f"pdserve decode ITL p99 {ours['itl_p99_ms']:.0f} ms (target <= 100 ms: "
               f"{'meets' if ours['itl_p99_ms'] <= 100 else 'MISSES'}; after the hand-off's gap "
               f"{ours['later_itl_p99_ms']:.0f} ms)")
