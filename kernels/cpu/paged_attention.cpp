@@ -193,42 +193,44 @@ inline void hsum8x2(const __m512 a[8], float* outa, float* outb) {
   _mm256_storeu_ps(outb, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
-// dot_rows for two queries, each over its own n key rows (ka, kb: the same rows in a prefill tile,
-// two KV heads' rows in decode): outa[j] = qa . ka_j, outb[j] = qb . kb_j.
+// dot_rows for two queries over the same n key rows (n a multiple of 8): outa[j] = qa . k_j,
+// outb[j] = qb . k_j.
 template <int64_t DC>
-inline void dot_rows2(const float* qa, const float* ka, const float* qb, const float* kb, int64_t stride, int64_t n,
-                      float* outa, float* outb) {
+inline void dot_rows2(const float* qa, const float* qb, const float* k, int64_t stride, int64_t n, float* outa,
+                      float* outb) {
   static_assert(DC > 0 && DC % 8 == 0);
   constexpr int64_t V = DC / 8;
   __m512 qv[V];
   for (int64_t v = 0; v < V; ++v)
     qv[v] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + 8 * v)), _mm256_loadu_ps(qb + 8 * v), 1);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m512 a[8];
-    // lanes 0-7 from ka's row, 8-15 from kb's: one broadcast load when they are the same row
-    auto keys = [&](int r, int64_t v) {
-      const float* x = ka + (j + r) * stride + 8 * v;
-      const float* y = kb + (j + r) * stride + 8 * v;
-      return ka == kb ? _mm512_broadcast_f32x8(_mm256_loadu_ps(x))
-                      : _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(x)), _mm256_loadu_ps(y), 1);
-    };
-    for (int r = 0; r < 8; ++r) a[r] = _mm512_mul_ps(qv[0], keys(r, 0));
+  for (int64_t j = 0; j + 8 <= n; j += 8) {
+    __m512 a[8];  // key j + r in both halves: one broadcast load
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_mul_ps(qv[0], _mm512_broadcast_f32x8(_mm256_loadu_ps(k + (j + r) * stride)));
     for (int64_t v = 1; v < V; ++v)
-      for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qv[v], keys(r, v), a[r]);
+      for (int r = 0; r < 8; ++r)
+        a[r] = _mm512_fmadd_ps(qv[v], _mm512_broadcast_f32x8(_mm256_loadu_ps(k + (j + r) * stride + 8 * v)), a[r]);
     hsum8x2(a, outa + j, outb + j);
-  }
-  if (j < n) {
-    dot_rows<DC>(qa, ka + j * stride, stride, n - j, DC, outa + j);
-    dot_rows<DC>(qb, kb + j * stride, stride, n - j, DC, outb + j);
   }
 }
 
-// axpy_rows for two weight rows, each over its own n value rows (va, vb; the same rows in a
-// prefill tile): acca += sum_j pa[j] va_j, accb += sum_j pb[j] vb_j.
+// Scores of two rows over one block's keys, their maxima updated: row a sees na keys, row b the
+// same and possibly more (nb >= na). dot_rows2 over whole groups of eight keys, and each row's
+// rest through dot_rows, which groups it as it would alone (see dot_rows on why that matters).
 template <int64_t DC>
-inline void axpy_rows2(const float* pa, const float* va, const float* pb, const float* vb, int64_t stride, int64_t n,
-                       float* acca, float* accb) {
+inline void score_pair(const float* qa, const float* qb, const float* k, int64_t stride, int64_t na, int64_t nb,
+                       float* sa, float* sb, float& ma, float& mb) {
+  const int64_t n8 = na / 8 * 8;
+  dot_rows2<DC>(qa, qb, k, stride, n8, sa, sb);
+  dot_rows<DC>(qa, k + n8 * stride, stride, na - n8, DC, sa + n8);
+  dot_rows<DC>(qb, k + n8 * stride, stride, nb - n8, DC, sb + n8);
+  ma = max_into(ma, sa, na);
+  mb = max_into(mb, sb, nb);
+}
+
+// axpy_rows for two weight rows over the same n value rows: acca += sum_j pa[j] v_j, accb likewise.
+template <int64_t DC>
+inline void axpy_rows2(const float* pa, const float* pb, const float* v, int64_t stride, int64_t n, float* acca,
+                       float* accb) {
   static_assert(DC > 0 && DC % 16 == 0);
   constexpr int64_t V = DC / 16;
   __m512 a[V], b[V];
@@ -237,11 +239,12 @@ inline void axpy_rows2(const float* pa, const float* va, const float* pb, const 
     b[u] = _mm512_loadu_ps(accb + 16 * u);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float *xa = va + j * stride, *xb = vb + j * stride;
+    const float* vj = v + j * stride;
     const __m512 wa = _mm512_set1_ps(pa[j]), wb = _mm512_set1_ps(pb[j]);
     for (int64_t u = 0; u < V; ++u) {
-      a[u] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xa + 16 * u), a[u]);
-      b[u] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xb + 16 * u), b[u]);
+      const __m512 x = _mm512_loadu_ps(vj + 16 * u);
+      a[u] = _mm512_fmadd_ps(wa, x, a[u]);
+      b[u] = _mm512_fmadd_ps(wb, x, b[u]);
     }
   }
   for (int64_t u = 0; u < V; ++u) {
@@ -467,15 +470,8 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
           [&](int64_t h, const float* k, auto stride, int64_t t0, int64_t n) {
 #if defined(PDA_PAIRS)
             if constexpr (DC > 0 && DC % 16 == 0) {
-              const float *ka = k, *kb = k;
-              float *sa = scores.data() + h * len + t0, *sb = sa + len;
-              // pairs over whole groups of 8 keys; the rest as dot_rows groups it for one head
-              const int64_t n8 = n / 8 * 8;
-              dot_rows2<DC>(qs.data() + h * D, ka, qs.data() + (h + 1) * D, kb, stride, n8, sa, sb);
-              dot_rows<DC>(qs.data() + h * D, ka + n8 * stride, stride, n - n8, D, sa + n8);
-              dot_rows<DC>(qs.data() + (h + 1) * D, kb + n8 * stride, stride, n - n8, D, sb + n8);
-              m[h] = max_into(m[h], sa, n);
-              m[h + 1] = max_into(m[h + 1], sb, n);
+              float* sa = scores.data() + h * len + t0;
+              score_pair<DC>(qs.data() + h * D, qs.data() + (h + 1) * D, k, stride, n, n, sa, sa + len, m[h], m[h + 1]);
             }
 #endif
           });
@@ -492,7 +488,7 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
 #if defined(PDA_PAIRS)
             if constexpr (DC > 0 && DC % 16 == 0) {
               const float* pa = scores.data() + h * len + t0;
-              axpy_rows2<DC>(pa, v, pa + len, v, stride, n, acc.data() + h * D, acc.data() + (h + 1) * D);
+              axpy_rows2<DC>(pa, pa + len, v, stride, n, acc.data() + h * D, acc.data() + (h + 1) * D);
             }
 #endif
           });
@@ -602,16 +598,9 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
           },
           [&](int64_t k, const float* kr, auto stride, int64_t t0, int64_t na, int64_t nb) {
 #if defined(PDA_PAIRS)
-            if constexpr (DC > 0 && DC % 16 == 0) {
-              float *sa = score_at(k) + t0, *sb = score_at(k + 1) + t0;
-              // pairs over whole groups of 8 keys; each row's rest as dot_rows groups it alone
-              const int64_t n8 = na / 8 * 8;
-              dot_rows2<DC>(qs.data() + k * D, kr, qs.data() + (k + 1) * D, kr, stride, n8, sa, sb);
-              dot_rows<DC>(qs.data() + k * D, kr + n8 * stride, stride, na - n8, D, sa + n8);
-              dot_rows<DC>(qs.data() + (k + 1) * D, kr + n8 * stride, stride, nb - n8, D, sb + n8);
-              m[k] = max_into(m[k], sa, na);
-              m[k + 1] = max_into(m[k + 1], sb, nb);
-            }
+            if constexpr (DC > 0 && DC % 16 == 0)
+              score_pair<DC>(qs.data() + k * D, qs.data() + (k + 1) * D, kr, stride, na, nb, score_at(k) + t0,
+                             score_at(k + 1) + t0, m[k], m[k + 1]);
 #endif
           });
       for (int64_t r = 0; r < T; ++r)
@@ -627,7 +616,7 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
 #if defined(PDA_PAIRS)
             if constexpr (DC > 0 && DC % 16 == 0) {
               float *aa = acc.data() + k * D, *ab = acc.data() + (k + 1) * D;
-              axpy_rows2<DC>(score_at(k) + t0, v, score_at(k + 1) + t0, v, stride, na, aa, ab);
+              axpy_rows2<DC>(score_at(k) + t0, score_at(k + 1) + t0, v, stride, na, aa, ab);
               // the rest of row k + 1's keys continue its chains in order
               if (nb > na) axpy_rows<DC>(score_at(k + 1) + t0 + na, v + na * stride, stride, nb - na, D, ab);
             }
