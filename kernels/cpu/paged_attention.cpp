@@ -167,11 +167,12 @@ inline void axpy_rows(const float* p, const float* v, int64_t stride, int64_t n,
 
 #if defined(__AVX512F__) && defined(__FMA__)
 #define PDA_PAIRS 1
-// Two queries at once on 16 lanes (AVX-512), for the prefill tiles, where every query of a tile
-// reads the same key and value rows: lanes 0-7 carry query a's eight accumulator chains, lanes
-// 8-15 query b's, each chain exactly the one dot_rows / axpy_rows keep on 8 lanes (the same
-// products, fused multiply-adds and order), so the results are those of two single calls, bit
-// for bit, at twice the width: the 8-lane loops use half of an AVX-512 core's FMA width.
+// Two queries at once on 16 lanes (AVX-512), where two rows read the same key and value rows (in
+// a prefill tile, every query and head of a KV head; in decode, the query heads of one KV head):
+// lanes 0-7 carry query a's eight accumulator chains, lanes 8-15 query b's, each chain exactly
+// the one dot_rows / axpy_rows keep on 8 lanes (the same products, fused multiply-adds and
+// order), so the results are those of two single calls, bit for bit, at twice the width: the
+// 8-lane loops use half of an AVX-512 core's FMA width.
 
 // outa[j] = hsum(low half of a[j]), outb[j] = hsum(high half) for j < 8: hsum8's additions for
 // both halves at once. AVX-512 has no horizontal add; hadd(x, y) within each 128-bit lane is
@@ -432,7 +433,7 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
           // pairs only at small batches (an item is one KV head, every head h + 1 < group
           // shares h's rows): at 64 sequences of 512 tokens, beyond the caches, this loop was
           // 1.3x slower a call than the one below even without pairs (AVX-512 Xeon, 2 threads),
-          // while at 1-8 sequences the pairs made a call 0.79-0.91x
+          // while at 1 and 2 sequences the pairs made a call 0.91-0.96x
           if constexpr (DC > 0 && DC % 16 == 0)
             if (heads_per_item == 1) {
               for (int64_t h = 0; h < qheads; h += 2) {
