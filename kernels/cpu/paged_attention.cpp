@@ -553,8 +553,8 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
       const int64_t ti = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
       const int64_t i0 = ti * tile, i1 = std::min(n, i0 + tile), T = i1 - i0;
       const int64_t max_len = prefix + i1;  // the tile's last query's context
-      // score row of (query r of the tile, head h of the group): its own max_len floats
-      auto score_row = [&](int64_t r, int64_t h) { return scores.data() + (r * group + h) * max_len; };
+      // row k = r * group + h (query r of the tile, head h of the group): its score row, max_len floats
+      auto score_at = [&](int64_t k) { return scores.data() + k * max_len; };
       for (int64_t r = 0; r < T; ++r)
         for (int64_t h = 0; h < group; ++h) {
           const float* qh = q + ((i0 + r) * num_heads + g * group + h) * D;
@@ -588,7 +588,6 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
           for (; k < k_end; ++k) fn(k, rows, stride, t0, seen(k));
         }
       };
-      auto score_at = [&](int64_t k) { return scores.data() + k * max_len; };
       for (int64_t k = 0; k < T * group; ++k) m[k] = -std::numeric_limits<float>::infinity();
       for_each_block(
           kc,
@@ -604,9 +603,8 @@ void run_prefill(const torch::Tensor& query, const torch::Tensor& k_cache, const
                              score_at(k + 1) + t0, m[k], m[k + 1]);
 #endif
           });
-      for (int64_t r = 0; r < T; ++r)
-        for (int64_t h = 0; h < group; ++h)
-          inv[r * group + h] = 1.f / exp_sub_sum(score_row(r, h), prefix + i0 + r + 1, m[r * group + h]);
+      for (int64_t k = 0; k < T * group; ++k)
+        inv[k] = 1.f / exp_sub_sum(score_at(k), prefix + i0 + k / group + 1, m[k]);
       std::fill(acc.begin(), acc.begin() + T * group * D, 0.f);
       for_each_block(
           vc,
