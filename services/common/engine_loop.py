@@ -34,10 +34,11 @@ HANDOFF_WAIT_S = 0.002
 
 #: Prefill steps a new worker runs before it times its prefill rate. Its first one runs cold
 #: (first touch of the KV pool and the kernels' buffers): 4 prompts of 33 tokens took 791 ms
-#: against 173-236 ms for the same step later (Intel Xeon, AVX-512 without BF16, 2 vCPU, 2026-12-06), and as
-#: the EWMA's first value it stayed the rate the gateway predicted with until later steps moved it:
-#: ``pdserve bench longmix`` right after its warm-up saw 68 tokens/s, a predicted 518 s queue, and
-#: 5 of 16 prompts refused as unable to meet their deadline, in a burst served in about a minute.
+#: against 173-236 ms for the same step later (Intel Xeon, AVX-512 without BF16, 2 vCPU,
+#: 2026-12-06), and as the EWMA's first value it stayed the rate the gateway predicted with until
+#: later steps moved it: ``pdserve bench longmix`` right after its warm-up saw 68 tokens/s, a
+#: predicted 518 s queue, and 5 of 16 prompts refused as unable to meet their deadline, in a burst
+#: served in about a minute.
 COLD_PREFILL_STEPS = 1
 
 
