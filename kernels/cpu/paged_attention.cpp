@@ -1203,12 +1203,20 @@ struct Tile {
     // the queries of rows a0 .. a0 + 15 (the last real one): the first's and last's context
     auto first_query = [&](int64_t a0) { return a0 / group; };
     auto last_query = [&](int64_t a0) { return (std::min(rows, a0 + 16) - 1) / group; };
+    // K and V rows prefetched as bfa::Tile::run does (bfa::prefetch_keys)
+    const bool stage_v = max_len * D * 2 <= bfa::kStageV;
+    bfa::prefetch_keys<3>(k, 0, bfa::kAheadKeys, max_len, D, table, block_size, block_stride, row);
     // pass 1: scores, 128 keys at a time
     for (int64_t t0 = 0; t0 < max_len; t0 += bfa::kSpan) {
       const int64_t len = std::min(bfa::kSpan, max_len - t0);
       const uint16_t* const* kr = rows_at(k, t0, len);
-      for (int64_t c0 = 0; c0 < len; c0 += 16)
+      for (int64_t c0 = 0; c0 < len; c0 += 16) {
+        const int64_t t = t0 + c0;
+        bfa::prefetch_keys<3>(k, t + bfa::kAheadKeys, t + bfa::kAheadKeys + 16, max_len, D, table, block_size,
+                              block_stride, row);
+        if (stage_v) bfa::prefetch_keys<2>(v, t, t + 16, max_len, D, table, block_size, block_stride, row);
         bfa::key_words(kr + c0, std::min<int64_t>(16, len - c0), D, kt.data() + c0 * W);
+      }
       for (int64_t a0 = 0; a0 < rows; a0 += 16) {
         const int64_t nk = std::min(len, first + last_query(a0) - t0);  // keys the tile's last query sees
         if (nk <= 0) continue;
@@ -1225,8 +1233,12 @@ struct Tile {
     }
     // pass 2: weighted V, the same spans of keys
     const uint16_t* p16 = reinterpret_cast<const uint16_t*>(scores.data());
+    if (!stage_v) bfa::prefetch_keys<3>(v, 0, bfa::kSpan, max_len, D, table, block_size, block_stride, row);
     for (int64_t t0 = 0; t0 < max_len; t0 += bfa::kSpan) {
       const int64_t len = std::min(bfa::kSpan, max_len - t0);
+      if (!stage_v)
+        bfa::prefetch_keys<2>(v, t0 + bfa::kSpan, t0 + 2 * bfa::kSpan, max_len, D, table, block_size, block_stride,
+                              row);
       bfa::value_pairs(rows_at(v, t0, len), len, D, vp.data());
       const int64_t pairs = (len + 1) / 2, padded = round_up(len, kChunk) / 2;
       std::fill(vp.begin() + pairs * D, vp.begin() + padded * D, 0u);
