@@ -1,8 +1,8 @@
 // exp(x) written so the compiler vectorizes it (std::exp does not): 2^(x log2 e) = 2^n * 2^f
 // with f in [-1/2, 1/2]; 2^f by a degree-6 polynomial (the Cephes exp2f coefficients, Moshier
 // 1989), relative error about 2e-7; 2^n by building the exponent bits; x clamped to [-87, 88]
-// (below -87 the result is about 0). Shared by the paged attention's softmax and the fused
-// decode step's SiLU.
+// (below -87 the result is about 0). Used by the paged attention's softmax; the fused
+// decode step's SiLU (fused_decode.cpp, silu_mul8) writes the same steps out for 8 lanes.
 #pragma once
 
 #include <algorithm>
