@@ -268,13 +268,8 @@ inline v8f exp8(v8f x) {
   const v8f r = t + magic;
   const v8f n = r - magic;
   const v8f f = t - n;
-  v8f p = v8f{} + 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  v8f p = v8f{} + kExp2Poly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExp2Poly[i];
   const v8i ni = reinterpret_cast<const v8i&>(r) - reinterpret_cast<const v8i&>(magic);
   const v8i bits = (ni + 127) << 23;
   return p * reinterpret_cast<const v8f&>(bits);

@@ -15,19 +15,14 @@
 
 #include <cstdint>
 
+#include "exp_poly.h"
+
 // 1 + exp_poly(88) as GCC folded it into the scalar loop's g < -88 branch: each step rounded on
 // its own (a constant expression is evaluated without contraction).
 constexpr float silu_den_88() {
   const float t = 88.0f * 1.44269504088896341f;
   const float n = static_cast<float>(static_cast<int32_t>(t + 0.5f));  // floor: t + 1/2 > 0
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  const float p = exp2_poly(t - n);
   float scale = 1.0f;
   for (int i = 0; i < static_cast<int>(n); ++i) scale *= 2.0f;
   return 1.0f + p * scale;
@@ -41,13 +36,8 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
   x = _mm256_blendv_ps(x, _mm256_set1_ps(88.0f), _mm256_cmp_ps(_mm256_set1_ps(88.0f), x, _CMP_LT_OQ));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
   const __m256 f = _mm256_fmsub_ps(x, log2e, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   __m256 den = _mm256_fmadd_ps(p, _mm256_castsi256_ps(bits), _mm256_set1_ps(1.0f));
   den = _mm256_blendv_ps(den, _mm256_set1_ps(kDen88), _mm256_cmp_ps(g, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
