@@ -29,7 +29,6 @@
 #include <cstring>
 #include <vector>
 
-
 #include "quant_block.h"
 #include "silu.h"
 
