@@ -691,15 +691,54 @@ inline void amx_q4_group(const uint8_t* c, float d, float m, uint16_t* out) {
 // one tile, xv[(j nt + t) 512 + 32 p + 2 r + e] = bf16(x[16 j + r][32 t + amx_element<Q4>(2 p +
 // e)]), nt = K / 32. The columns past row M of the last group are left as they were: a C tile's
 // column reads its own B column only, and those columns' sums are never read.
+// v[p] dword c = v[c] dword p: a 16 x 16 transpose of dwords (unpacks within 128-bit lanes, then
+// 128-bit lanes gathered across the vectors).
+inline void transpose16_epi32(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  __m512i u[16];  // u[4 q + k], lane L: column 4 L + k of rows 4 q .. 4 q + 3
+  for (int q = 0; q < 16; q += 4) {
+    u[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+    u[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+    u[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+    u[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i s1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), s2 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);
+    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88),
+                  s4 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    v[k] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    v[4 + k] = _mm512_shuffle_i32x4(s2, s4, 0x88);
+    v[8 + k] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    v[12 + k] = _mm512_shuffle_i32x4(s2, s4, 0xDD);
+  }
+}
+
 template <bool Q4>
 inline void vnni_rows_bf16_range(const float* x, int64_t r0, int64_t r1, int64_t K, uint16_t* xv) {
   const int64_t nt = K / G;
   alignas(64) int16_t order[G];
   for (int q = 0; q < G; ++q) order[q] = static_cast<int16_t>(amx_element<Q4>(q));
   const __m512i perm = _mm512_load_si512(order);
+  int64_t r = r0;
+  // whole groups of 16 rows: per step of K, the 16 rows' dwords transposed into the tile's rows
+  // (64 shuffles in place of 16 scatters)
+  for (; r % 16 == 0 && r + 16 <= r1; r += 16)
+    for (int64_t t = 0; t < nt; ++t) {
+      __m512i v[16];
+      for (int c = 0; c < 16; ++c)
+        v[c] = _mm512_permutexvar_epi16(perm, reinterpret_cast<__m512i>(bpack(x + (r + c) * K + t * G)));
+      transpose16_epi32(v);
+      uint16_t* tile = xv + ((r / 16) * nt + t) * kAmxTile;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + 32 * p, v[p]);
+    }
+  // the rest (a partial last group): each row's dwords scattered down its tile column
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));  // dword p of a row goes to tile row p
-  for (int64_t r = r0; r < r1; ++r)
+  for (; r < r1; ++r)
     for (int64_t t = 0; t < nt; ++t) {
       const __m512i row = _mm512_permutexvar_epi16(perm, reinterpret_cast<__m512i>(bpack(x + r * K + t * G)));
       _mm512_i32scatter_epi32(xv + ((r / 16) * nt + t) * kAmxTile + 2 * (r % 16), column, row, 4);
