@@ -2,13 +2,15 @@
 // with f in [-1/2, 1/2]; 2^f by a degree-6 polynomial (the Cephes exp2f coefficients, Moshier
 // 1989), relative error about 2e-7; 2^n by building the exponent bits; x clamped to [-87, 88]
 // (below -87 the result is about 0). Used by the paged attention's softmax; the fused
-// decode step's SiLU (fused_decode.cpp, silu_mul8) writes the same steps out for 8 lanes.
+// decode step's SiLU (silu.h, silu_mul8) writes the same steps out for 8 lanes.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+inline constexpr float kLog2e = 1.44269504088896341f;
 
 // 2^f for f in [-1/2, 1/2]: the Cephes exp2f polynomial's coefficients, highest degree first, and
 // its Horner steps p = p f + c (each a multiply and an add: the compiler contracts them to FMAs in
@@ -23,7 +25,7 @@ constexpr float exp2_poly(float f) {
 
 inline float exp_poly(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f;
+  const float t = x * kLog2e;
   const float n = std::floor(t + 0.5f);
   const float f = t - n;
   const float p = exp2_poly(f);

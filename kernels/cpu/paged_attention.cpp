@@ -263,7 +263,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 inline v8f exp8(v8f x) {
   const v8f lo = v8f{} - 87.0f;
   x = x < lo ? lo : x;
-  const v8f t = x * 1.44269504088896341f;
+  const v8f t = x * kLog2e;
   const v8f magic = v8f{} + 12582912.0f;  // 1.5 * 2^23
   const v8f r = t + magic;
   const v8f n = r - magic;
@@ -745,7 +745,6 @@ inline void scale_out(const float* acc, const float* inv, int64_t rows, int64_t 
 // operations in scalar code.
 inline float exp_round(float* x, int64_t n, float m) {
   uint16_t* y = reinterpret_cast<uint16_t*>(x);
-  constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kC[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f,
                            2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 #if defined(PDQ_BF16_EMULATE)

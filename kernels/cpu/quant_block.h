@@ -686,11 +686,6 @@ inline void amx_q4_group(const uint8_t* c, float d, float m, uint16_t* out) {
   _mm512_store_si512(out, _mm512_permutexvar_epi16(idx, table));
 }
 
-// Rows of x [M float32, K] (K % 32 == 0) rounded to bf16 (to nearest even, as round_rows_bf16)
-// into B tiles for weights of block type Q4: rows in groups of 16, per group j and step t of K
-// one tile, xv[(j nt + t) 512 + 32 p + 2 r + e] = bf16(x[16 j + r][32 t + amx_element<Q4>(2 p +
-// e)]), nt = K / 32. The columns past row M of the last group are left as they were: a C tile's
-// column reads its own B column only, and those columns' sums are never read.
 // v[p] dword c = v[c] dword p: a 16 x 16 transpose of dwords (unpacks within 128-bit lanes, then
 // 128-bit lanes gathered across the vectors).
 inline void transpose16_epi32(__m512i v[16]) {
@@ -717,6 +712,11 @@ inline void transpose16_epi32(__m512i v[16]) {
   }
 }
 
+// Rows of x [M float32, K] (K % 32 == 0) rounded to bf16 (to nearest even, as round_rows_bf16)
+// into B tiles for weights of block type Q4: rows in groups of 16, per group j and step t of K
+// one tile, xv[(j nt + t) 512 + 32 p + 2 r + e] = bf16(x[16 j + r][32 t + amx_element<Q4>(2 p +
+// e)]), nt = K / 32. The columns past row M of the last group are left as they were: a C tile's
+// column reads its own B column only, and those columns' sums are never read.
 template <bool Q4>
 inline void vnni_rows_bf16_range(const float* x, int64_t r0, int64_t r1, int64_t K, uint16_t* xv) {
   const int64_t nt = K / G;

@@ -20,7 +20,7 @@
 // 1 + exp_poly(88) as GCC folded it into the scalar loop's g < -88 branch: each step rounded on
 // its own (a constant expression is evaluated without contraction).
 constexpr float silu_den_88() {
-  const float t = 88.0f * 1.44269504088896341f;
+  const float t = 88.0f * kLog2e;
   const float n = static_cast<float>(static_cast<int32_t>(t + 0.5f));  // floor: t + 1/2 > 0
   const float p = exp2_poly(t - n);
   float scale = 1.0f;
@@ -31,7 +31,7 @@ constexpr float silu_den_88() {
 // SiLU(g) * u on 8 lanes (AVX2 + FMA).
 inline __m256 silu_mul8(__m256 g, __m256 u) {
   constexpr float kDen88 = silu_den_88();
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 log2e = _mm256_set1_ps(kLog2e);
   __m256 x = _mm256_sub_ps(_mm256_setzero_ps(), g);
   x = _mm256_blendv_ps(x, _mm256_set1_ps(88.0f), _mm256_cmp_ps(_mm256_set1_ps(88.0f), x, _CMP_LT_OQ));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
