@@ -79,7 +79,7 @@ def measure(base, args, vocab: int, say) -> dict:
     Written to ``<out>/measured.json`` after each run, so an interrupted sweep keeps its runs."""
     from loadtest.bench_modes import Deployed, _model_name, _ttft, mode_plans
     from loadtest.client import run_workload, summarize
-    from loadtest.sim_validate import _probe
+    from loadtest.sim_validate import PROBE_MAX, _probe
     from loadtest.workloads import from_sim, random_tokens
 
     out_dir = Path(args.out)
@@ -99,7 +99,7 @@ def measure(base, args, vocab: int, say) -> dict:
         with Deployed(settings, plans[mode]) as dep:
             asyncio.run(_ttft(dep.url, model, random_tokens(random.Random(9), 16, vocab)))
             rng = random.Random(11)
-            probe = asyncio.run(_probe(dep.url, model, [random_tokens(rng, args.short, vocab) for _ in range(3)]))
+            probe = asyncio.run(_probe(dep.url, model, [random_tokens(rng, args.short, vocab) for _ in range(PROBE_MAX)]))
             for trace, rate, rep in cells:
                 reqs = workload(trace, rate, args)
                 # token content of its own per (trace, rate, repeat): no run hits what an earlier one cached

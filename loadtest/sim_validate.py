@@ -85,7 +85,7 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
         with Deployed(settings, plans[name]) as dep:
             asyncio.run(_ttft(dep.url, model, random_tokens(random.Random(9), 16, vocab)))
             rng = random.Random(11)  # a new prompt each time: a repeat would be a prefix-cache hit
-            probe = asyncio.run(_probe(dep.url, model, [random_tokens(rng, args.short, vocab) for _ in range(3)]))
+            probe = asyncio.run(_probe(dep.url, model, [random_tokens(rng, args.short, vocab) for _ in range(PROBE_MAX)]))
             specs = synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
             t0 = time.perf_counter()
             res, wall = asyncio.run(run_workload(dep.url, model, specs, extra={"ignore_eos": True}, progress=False))
@@ -102,11 +102,22 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
 
 
 PROBE_TOKENS = 16
+#: the most probe requests sent; they stop once :data:`PROBE_SETTLED` in a row agree
+PROBE_MAX = 9
+#: probes in a row whose TTFTs lie within a factor :data:`PROBE_SPREAD` of each other: settled
+PROBE_SETTLED = 3
+PROBE_SPREAD = 2.0
 
 
 async def _probe(url: str, model: str, prompts: list[list[int]]) -> dict:
-    """Median TTFT and ITL of ``prompts`` sent one at a time to the idle deployment (distinct
-    prompts: a repeated one would hit the prefix cache and time no prefill)."""
+    """TTFT and ITL of the idle deployment: ``prompts`` sent one at a time (distinct prompts: a
+    repeated one would hit the prefix cache and time no prefill) until the last
+    :data:`PROBE_SETTLED` TTFTs lie within a factor :data:`PROBE_SPREAD` of each other; the
+    medians of those. A deployment just started can answer its first requests slowly (a CI run
+    on the AMX Xeon saw a probe TTFT of ~0.9 s where the run's p50 was 0.03 s): the median of
+    the first three alone would make that the twin's pipeline latency. ``ttfts`` keeps every
+    probe's TTFT (seconds); ``settled`` says whether they agreed before ``prompts`` ran out
+    (if not, the medians are of the last three). {} when no probe succeeded."""
     import statistics
 
     import httpx
@@ -120,7 +131,20 @@ async def _probe(url: str, model: str, prompts: list[list[int]]) -> dict:
             if r.ok:
                 ttfts.append(r.ttft_s)
                 itls.append(r.tpot_s or 0.0)
-    return {"ttft": statistics.median(ttfts), "itl": statistics.median(itls)} if ttfts else {}
+            if probe_settled(ttfts):
+                break
+    if not ttfts:
+        return {}
+    last = slice(-PROBE_SETTLED, None)
+    return {"ttft": statistics.median(ttfts[last]), "itl": statistics.median(itls[last]),
+            "ttfts": ttfts, "settled": probe_settled(ttfts)}
+
+
+def probe_settled(ttfts: list[float]) -> bool:
+    """Whether the last :data:`PROBE_SETTLED` probe TTFTs (seconds) lie within a factor
+    :data:`PROBE_SPREAD` of each other."""
+    tail = ttfts[-PROBE_SETTLED:]
+    return len(tail) == PROBE_SETTLED and min(tail) > 0 and max(tail) <= PROBE_SPREAD * min(tail)
 
 
 def calibrate(profile: Profile, topo: Topology, probe: dict, prompt_tokens: int) -> Profile:

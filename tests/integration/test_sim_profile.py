@@ -61,7 +61,7 @@ def test_simulated_twin_fits_the_run_it_was_calibrated_on(tiny_model_dir, tmp_pa
     assert list((tmp_path / "logs" / "disaggregated").glob("tokenizer-*.log"))  # the routing decisions kept
     for metric, q in (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50")):
         ratio = s[metric][q] / m[metric][q]
-        assert 1 / TOLERANCE[q] <= ratio <= TOLERANCE[q], (metric, q, m[metric][q], s[metric][q])
+        assert 1 / TOLERANCE[q] <= ratio <= TOLERANCE[q], (metric, q, m[metric][q], s[metric][q], m["probe"])
 
 
 def test_profile_of_a_synthetic_shape_is_greedy_and_prices_sampling(tiny_model_dir, tmp_path, monkeypatch):

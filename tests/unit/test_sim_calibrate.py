@@ -142,3 +142,34 @@ def test_load_timeline_follows_the_machine_and_the_replay_meets_it(tmp_path):
     early = simulate([trace.SimRequest(0, 1.0, 96, 8)], topo, replace(prof, load_timeline=[1.0, 2.0], load_bin_s=20.0))
     late = simulate([trace.SimRequest(0, 21.0, 96, 8)], topo, replace(prof, load_timeline=[1.0, 2.0], load_bin_s=20.0))
     assert late["tpot"]["p50"] == pytest.approx(2 * early["tpot"]["p50"], rel=1e-6)
+
+
+def test_idle_probe_waits_out_a_slow_start(monkeypatch):
+    """A deployment that answers its first requests slowly (a CI run's probe saw ~0.9 s where
+    the run's TTFT p50 was 0.03 s, and the twin took 0.9 s as its pipeline latency) gives the
+    probe the TTFT it settles at: probing goes on until three in a row agree within 2x."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from loadtest import client
+    from loadtest import sim_validate as v
+
+    def fake(ttfts: list[float]):
+        sent = []
+
+        async def send_one(_client, _model, spec, extra=None):
+            sent.append(spec.prompt)
+            t = ttfts[len(sent) - 1]
+            return SimpleNamespace(ok=t is not None, ttft_s=t, tpot_s=0.002)
+        return sent, send_one
+
+    prompts = [[i] for i in range(v.PROBE_MAX)]
+    sent, send = fake([0.9, 0.85, 0.02, None, 0.011, 0.012, 0.013, 0.5, 0.5])
+    monkeypatch.setattr(client, "send_one", send)
+    probe = asyncio.run(v._probe("http://127.0.0.1:9", "m", prompts))
+    assert len(sent) == 6 and probe["settled"]  # stopped at the third agreeing probe; the failed one skipped
+    assert probe["ttft"] == pytest.approx(0.012) and probe["ttfts"] == [0.9, 0.85, 0.02, 0.011, 0.012]
+    sent, send = fake([0.9, 0.01] * 5)  # never settles: the medians of the last three, said so
+    monkeypatch.setattr(client, "send_one", send)
+    probe = asyncio.run(v._probe("http://127.0.0.1:9", "m", prompts))
+    assert len(sent) == v.PROBE_MAX and not probe["settled"] and probe["ttft"] == pytest.approx(0.9)
