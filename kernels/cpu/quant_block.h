@@ -389,15 +389,17 @@ struct Bf16Dot {
 // row's result does not depend on how many rows the call has, on the path taken, nor on how
 // weight rows are split over threads or tiled.
 
-// Small M (<= 4 rows of x): NB weight rows against R rows, groups widened in registers.
-template <typename A, bool Q4, int R, int NB>
+// Small M (<= kRegisterRows rows of x): NB weight rows against R rows, groups widened in
+// registers. Prefetch: whether this call prefetches the next tile of four weight rows (false
+// for the second pair of a tile that rows_registers_wide splits in two).
+template <typename A, bool Q4, int R, int NB, bool Prefetch = true>
 inline void tile_registers(const typename A::X* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
                            int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
   typename A::Acc acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = A::zero();
   for (int64_t g = 0; g < ng; ++g) {
-    prefetch_next_tile<Q4>(codes, row_bytes, g);
+    if constexpr (Prefetch) prefetch_next_tile<Q4>(codes, row_bytes, g);
     typename A::Wv w[NB][A::kSteps];
     for (int j = 0; j < NB; ++j)
       A::template group<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g, w[j]);
@@ -445,6 +447,42 @@ inline void rows_registers(const typename A::X* x, int64_t M, int64_t K, const u
     case 3: tile_registers<A, Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
     case 2: tile_registers<A, Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
     default: tile_registers<A, Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+  }
+}
+
+// Rows of x widened in registers: up to four everywhere; with AVX-512's 32 vector registers, up
+// to six. A speculative verify step at batch 1 has 1 + drafts rows (up to 9); through the
+// widened buffer (below) its fifth row cost a decode step 3.4 ms where each of rows 2-4 cost
+// 0.7 ms (AMD EPYC Zen 4, bf16, 2 threads, docs/decisions.md). bf16 (one step a group): 6 x 4
+// accumulators, four weight vectors, one of x (29 of 32); eight rows (32 accumulators) were no
+// faster than the widened buffer. float32 (two steps a group, 16 lanes): 6 x 4 accumulators
+// would need 33, so its weight rows go in pairs (6 x 2 + 4 + 1).
+#ifdef PDQ_AVX512
+constexpr int kRegisterRows = 6;
+#else
+constexpr int kRegisterRows = 4;
+#endif
+
+// 5 or 6 rows of x (M) against the NB <= 4 weight rows of a tile, each group of each weight row
+// widened once in registers as in rows_registers (bf16: one tile; float32: two tiles of two
+// weight rows). The accumulator chains are the same, so the bits are.
+template <typename A, bool Q4, int NB>
+inline void rows_registers_wide(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
+                                const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+  if constexpr (kRegisterRows > 4) {
+    auto run = [&](auto rc) {
+      constexpr int R = decltype(rc)::value;
+      if constexpr (A::kSteps == 1) {
+        tile_registers<A, Q4, R, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy);
+      } else {  // the first pair prefetches the next tile's four rows; the second, at codes + 2 rows, not
+        tile_registers<A, Q4, R, (NB < 2 ? NB : 2)>(x, K, codes, d, m, row_bytes, ng, y, ldy);
+        if constexpr (NB > 2)
+          tile_registers<A, Q4, R, NB - 2, false>(x, K, codes + 2 * row_bytes, d + 2 * ng, Q4 ? m + 2 * ng : m,
+                                                  row_bytes, ng, y + 2, ldy);
+      }
+    };
+    if (M == 6) run(std::integral_constant<int, 6>{});
+    else run(std::integral_constant<int, 5>{});
   }
 }
 
@@ -519,9 +557,9 @@ inline void with_tile_width(int nb, F&& f) {
 }
 
 // Weight rows [n0, n1) against all M rows of x [M, K] (in A::X): y[r * ldy + n], in arithmetic
-// A. Weight rows go in fours. Up to four rows of x, each group is widened in registers and used
-// at once (the weights are streamed once; a batch-1 decode step is bound by these
-// instructions). Above four, the four weight rows are widened once into a buffer of A::W (4 K
+// A. Weight rows go in fours. Up to kRegisterRows rows of x (4; 6 with AVX-512), each group is
+// widened in registers and used at once (the weights are streamed once; a batch-1 decode step
+// is bound by these instructions). Above that, the four weight rows are widened once into a buffer of A::W (4 K
 // elements, in L1) and every kTileRows x kTileCols tile of (rows of x, weight rows) reads it
 // (AVX-512 4 x 4: 16 steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of widening again per
 // four rows.
@@ -531,7 +569,7 @@ inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const 
   if (M <= 0) return;
   const int64_t row_bytes = Q4 ? K / 2 : K, ng = K / G;
   thread_local std::vector<typename A::W> widened;
-  if (M > 4) widened.resize(static_cast<size_t>(4 * K));
+  if (M > kRegisterRows) widened.resize(static_cast<size_t>(4 * K));
   TileScales ts(4 * ng);
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, n1 - n));
@@ -540,9 +578,12 @@ inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const 
     ts.widen<Q4>(d + n * ng, m + n * ng, nb * ng);
     const float* dn = ts.d;
     const float* mn = ts.m;
-    if (M <= 4) {
+    if (M <= kRegisterRows) {
       with_tile_width(nb, [&](auto nbc) {
-        rows_registers<A, Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
+        if (M <= 4)
+          rows_registers<A, Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
+        else
+          rows_registers_wide<A, Q4, decltype(nbc)::value>(x, M, K, c, dn, mn, row_bytes, ng, y + n, ldy);
       });
       continue;
     }

@@ -81,7 +81,7 @@ def _kernel_rows(layer: BlockLinear, x: torch.Tensor, ext, bf16: bool, int8: boo
 @pytest.mark.parametrize("path", ["float32", "int8", "bf16", EMULATED])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path):
-    """The kernel widens groups in registers up to four rows of x and into an L1 buffer above;
+    """The kernel widens groups in registers up to four rows of x (six with AVX-512) and into an L1 buffer above;
     a row's bits must not depend on which path, on its position or on the weight rows' tiling
     (30 output rows: tiles of four and a tail of two). Zero rows give an empty result. The
     same for the int8-activation loops (codes unpacked in registers up to two rows, into a
