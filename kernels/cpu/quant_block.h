@@ -559,10 +559,10 @@ inline void with_tile_width(int nb, F&& f) {
 // Weight rows [n0, n1) against all M rows of x [M, K] (in A::X): y[r * ldy + n], in arithmetic
 // A. Weight rows go in fours. Up to kRegisterRows rows of x (4; 6 with AVX-512), each group is
 // widened in registers and used at once (the weights are streamed once; a batch-1 decode step
-// is bound by these instructions). Above that, the four weight rows are widened once into a buffer of A::W (4 K
-// elements, in L1) and every kTileRows x kTileCols tile of (rows of x, weight rows) reads it
-// (AVX-512 4 x 4: 16 steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of widening again per
-// four rows.
+// is bound by these instructions). Above that, the four weight rows are widened once into a
+// buffer of A::W (4 K elements, in L1) and every kTileRows x kTileCols tile of (rows of x,
+// weight rows) reads it (AVX-512 4 x 4: 16 steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of
+// widening again per four rows.
 template <typename A, bool Q4>
 inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d,
                             const scale_t* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
