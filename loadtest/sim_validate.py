@@ -102,8 +102,10 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
 
 
 PROBE_TOKENS = 16
-#: the most probe requests sent; they stop once :data:`PROBE_SETTLED` in a row agree
+#: the most probe requests sent; they stop once :data:`PROBE_SETTLED` in a row agree, after at
+#: least :data:`PROBE_MIN` answers (so a slow start as long as three probes is still waited out)
 PROBE_MAX = 9
+PROBE_MIN = 5
 #: probes in a row whose TTFTs lie within a factor :data:`PROBE_SPREAD` of each other: settled
 PROBE_SETTLED = 3
 PROBE_SPREAD = 2.0
@@ -111,9 +113,9 @@ PROBE_SPREAD = 2.0
 
 async def _probe(url: str, model: str, prompts: list[list[int]]) -> dict:
     """TTFT and ITL of the idle deployment: ``prompts`` sent one at a time (distinct prompts: a
-    repeated one would hit the prefix cache and time no prefill) until the last
-    :data:`PROBE_SETTLED` TTFTs lie within a factor :data:`PROBE_SPREAD` of each other; the
-    medians of those. A deployment just started can answer its first requests slowly (a CI run
+    repeated one would hit the prefix cache and time no prefill) until, after at least
+    :data:`PROBE_MIN` answers, the last :data:`PROBE_SETTLED` TTFTs lie within a factor
+    :data:`PROBE_SPREAD` of each other; the medians of those. A deployment just started can answer its first requests slowly (a CI run
     on the AMX Xeon saw a probe TTFT of ~0.9 s where the run's p50 was 0.03 s): the median of
     the first three alone would make that the twin's pipeline latency. ``ttfts`` keeps every
     probe's TTFT (seconds); ``settled`` says whether they agreed before ``prompts`` ran out
@@ -131,7 +133,7 @@ async def _probe(url: str, model: str, prompts: list[list[int]]) -> dict:
             if r.ok:
                 ttfts.append(r.ttft_s)
                 itls.append(r.tpot_s or 0.0)
-            if probe_settled(ttfts):
+            if len(ttfts) >= PROBE_MIN and probe_settled(ttfts):
                 break
     if not ttfts:
         return {}

@@ -147,7 +147,8 @@ def test_load_timeline_follows_the_machine_and_the_replay_meets_it(tmp_path):
 def test_idle_probe_waits_out_a_slow_start(monkeypatch):
     """A deployment that answers its first requests slowly (a CI run's probe saw ~0.9 s where
     the run's TTFT p50 was 0.03 s, and the twin took 0.9 s as its pipeline latency) gives the
-    probe the TTFT it settles at: probing goes on until three in a row agree within 2x."""
+    probe the TTFT it settles at: probing goes on, five answers at least, until three in a row
+    agree within 2x."""
     import asyncio
     from types import SimpleNamespace
 
@@ -169,6 +170,10 @@ def test_idle_probe_waits_out_a_slow_start(monkeypatch):
     probe = asyncio.run(v._probe("http://127.0.0.1:9", "m", prompts))
     assert len(sent) == 6 and probe["settled"]  # stopped at the third agreeing probe; the failed one skipped
     assert probe["ttft"] == pytest.approx(0.012) and probe["ttfts"] == [0.9, 0.85, 0.02, 0.011, 0.012]
+    sent, send = fake([0.9, 0.9, 0.9, 0.02, 0.02, 0.02, 0.5, 0.5, 0.5])  # three slow ones agree: not yet
+    monkeypatch.setattr(client, "send_one", send)
+    probe = asyncio.run(v._probe("http://127.0.0.1:9", "m", prompts))
+    assert len(sent) == 6 and probe["settled"] and probe["ttft"] == pytest.approx(0.02)
     sent, send = fake([0.9, 0.01] * 5)  # never settles: the medians of the last three, said so
     monkeypatch.setattr(client, "send_one", send)
     probe = asyncio.run(v._probe("http://127.0.0.1:9", "m", prompts))
