@@ -739,14 +739,12 @@ inline void scale_out(const float* acc, const float* inv, int64_t rows, int64_t 
 // y[j] overwrites bytes of x already read), y[n] = 0 (the pad partner of an odd last key);
 // returns the sum of the float32 exps. exp as exp_poly (the Cephes polynomial), written so that
 // every rounding is explicit: k = round(x log2 e) (to nearest even), f = fma(x, log2 e, -k), the
-// polynomial by FMAs, 2^k applied by scalef (exact: x >= -87 keeps it normal); the sum over 16
-// lanes (lane = j mod 16, in order), then _mm512_reduce_add_ps's tree. No multiply feeds an add,
-// so -ffp-contract cannot change the bits between callers; the emulated build does the same
-// operations in scalar code.
+// polynomial (kExp2Poly, exp_poly.h) by FMAs, 2^k applied by scalef (exact: x >= -87 keeps it
+// normal); the sum over 16 lanes (lane = j mod 16, in order), then _mm512_reduce_add_ps's tree.
+// No multiply feeds an add, so -ffp-contract cannot change the bits between callers; the
+// emulated build does the same operations in scalar code.
 inline float exp_round(float* x, int64_t n, float m) {
   uint16_t* y = reinterpret_cast<uint16_t*>(x);
-  constexpr float kC[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f,
-                           2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 #if defined(PDQ_BF16_EMULATE)
   vacc acc = pdq::bzero();
   for (int64_t j = 0; j < n; j += 16) {
@@ -758,8 +756,8 @@ inline float exp_round(float* x, int64_t n, float m) {
       v = std::max(v - m, -87.0f);
       const float k = std::nearbyint(v * kLog2e);
       const float f = std::fma(v, kLog2e, -k);
-      float p = kC[0];
-      for (int c = 1; c < 7; ++c) p = std::fma(p, f, kC[c]);
+      float p = kExp2Poly[0];
+      for (int c = 1; c < 7; ++c) p = std::fma(p, f, kExp2Poly[c]);
       e[i] = std::ldexp(p, static_cast<int>(k));
     }
     for (int64_t i = 0; i < nn; ++i) {
@@ -778,8 +776,8 @@ inline float exp_round(float* x, int64_t n, float m) {
     const __m512 v = _mm512_max_ps(lo, _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + j), mv));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, l2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_fmsub_ps(v, l2e, k);
-    __m512 p = _mm512_set1_ps(kC[0]);
-    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC[c]));
+    __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[c]));
     const __m512 e = _mm512_maskz_mov_ps(mask, _mm512_scalef_ps(p, k));
     acc = _mm512_add_ps(acc, e);
     _mm256_mask_storeu_epi16(y + j, mask, (__m256i)_mm512_cvtneps_pbh(e));
