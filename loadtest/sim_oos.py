@@ -45,7 +45,7 @@ from pathlib import Path
 from loadtest.sim_validate import keep_logs
 from sim import calibrate as cal
 from sim import trace as traces
-from sim.profile import Profile, smooth_prefill
+from sim.profile import Profile
 from sim.simulator import Simulation, simulate
 
 TRACES = ("mix", "prefix")
@@ -134,7 +134,7 @@ def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tupl
 
     mode = fit_key.split("|")[0]
     m = measured[fit_key]
-    profile = replace(profile, prefill_s=smooth_prefill(profile.prefill_tokens, profile.prefill_s))
+    profile = cal.smoothed(profile)
     logs = cal.read_step_logs(Path(args.out) / "steps" / _slug(mode))
     fitted = cal.fit(profile, logs, tuple(m["window"]), decode_by_point=False)
     fitted.pop("_prefill_rows", None)

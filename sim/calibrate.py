@@ -22,9 +22,15 @@ What is fitted, from the steps inside the workload's window:
   chunk-size point of the prefill table); the overall ratio scales the attention term;
 * ``corun`` — the same ratio for steps that overlapped another worker's step, over the alone
   one: the host's co-running slowdown as the run met it (shared cores, memory bandwidth, and
-  the services' CPU, which is busiest when both workers are) — it replaces the profile's
-  ``corun_slowdown`` and the simulator's processor-sharing term (the topology's ``host_cores``
-  is set to 0 by :func:`calibrated_topology`: that contention is inside the observed steps);
+  the services' CPU, which is busiest when both workers are) — it replaces the simulator's
+  processor-sharing term (the topology's ``host_cores`` is set to 0 by
+  :func:`calibrated_topology`: that contention is inside the observed steps) and, for the pair
+  of workers it was seen in, the profile's co-run factor: ``prefill_corun_slowdown`` where the
+  run has a prefill worker (``prefill_pair``: a decode worker beside a prefill worker that
+  stages KV), else ``corun_slowdown``. The other pairing keeps the profile's measured
+  ``corun_slowdown`` (``sim.measure``: a decode step beside a matmul on the other core): on
+  the Zen 4 EPYC a disaggregated run's decode steps beside prefill steps took 1.11x those
+  alone where the profile measured 1.00x beside a matmul (``docs/data/sim-oos-zen4``);
 * ``jitter`` — the spread of each decode step's time over what those ratios predict for it
   (twenty equally likely levels, mean 1): the stretches in which other processes held the
   core. Decode steps only, and replayed on decode steps only: a prefill step of seconds
@@ -49,7 +55,9 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sim.profile import CostModel, Profile, monotone
+import numpy as np
+
+from sim.profile import CostModel, Profile, monotone, smooth_prefill
 
 
 @dataclass
@@ -59,6 +67,39 @@ class StepLog:
 
     header: dict
     steps: list[tuple]
+
+
+def smoothed(profile: Profile) -> Profile:
+    """``profile`` with its prefill table smoothed (:func:`sim.profile.smooth_prefill`: the
+    least-squares ``a + b n + c n²``) and its ``prefill_attn_s`` that fit's own quadratic term
+    (``2c`` seconds per pair of tokens: a prompt of ``n`` tokens has ``n²/2`` pairs), so that a
+    step of several prompts — ``prefill(N)`` less the pairs between different prompts
+    (:meth:`sim.profile.CostModel.step`) — costs ``a + b·N + c·Σ n²``: one step's constant, the
+    linear layers over all ``N`` tokens and each prompt's attention over itself.
+
+    Why: the profile's own ``prefill_attn_s`` (``sim.measure`` until 2026-12-06: a 1,024-token
+    prompt against two of 512, each timed apart from the table) disagreed with the table it is
+    subtracted from — 5.3e-7 s against the table's 7.2e-7 on the Zen 4 profile of
+    ``docs/data/sim-oos-zen4``, 0 against 2.4e-6 on the AVX2 one of ``docs/data/sim-oos-avx2`` —
+    which priced a step of four 512-token prompts 8 % and 32 % above the four alone. A table of
+    fewer than four points (not smoothed) is returned as it is."""
+    attn = table_attention(profile.prefill_tokens, profile.prefill_s)
+    if attn is None:
+        return profile
+    return replace(profile, prefill_s=smooth_prefill(profile.prefill_tokens, profile.prefill_s), prefill_attn_s=attn)
+
+
+def table_attention(tokens: list[int], seconds: list[float]) -> float | None:
+    """Seconds per pair of tokens attending to each other inside one prompt that a prefill table
+    (``seconds[i]`` for a prompt of ``tokens[i]`` tokens) holds: twice the ``n²`` coefficient of
+    its fit :func:`sim.profile.smooth_prefill`. None for a table that is not fitted (fewer than
+    four points, or a time that is not positive)."""
+    if len(tokens) < 4 or min(seconds) <= 0:
+        return None
+    values = smooth_prefill(tokens, seconds)
+    # the smoothed values lie on the fitted quadratic: its n² coefficient, exactly
+    c = float(np.polyfit(np.asarray(tokens, dtype=np.float64), np.asarray(values, dtype=np.float64), 2)[0])
+    return 2 * max(0.0, c)
 
 
 def read_step_logs(folder: str | Path) -> list[StepLog]:
@@ -237,6 +278,7 @@ def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] |
         cross = profile.prefill_attn_s * (total * total - sum(c[0] * c[0] for c in chunks)) / 2
         rows.append((o, cost.prefill(total) - cross, sum(c[0] * c[1] for c in chunks)))
     return {"decode": dec, "prefill": pre, "corun": corun, "jitter": [round(j / mean, 4) for j in jitter],
+            "prefill_pair": any(str(log.header.get("stage", "")) == "prefill" for log in logs),
             "_prefill_rows": rows, "load_timeline": timeline,
             "decode_by_batch": by["decode"], "prefill_by_tokens": by["prefill"],
             "step_loop_s": statistics.median(gaps) if gaps else profile.step_loop_s,
@@ -327,7 +369,9 @@ def apply(profile: Profile, f: dict, timeline: bool = True) -> Profile:
         "decode_s": [x * r for x, r in zip(profile.decode_s, f.get("decode_by_batch") or [f["decode"]] * 99)],
         "decode_ctx_s": profile.decode_ctx_s * f["decode"],
         "step_fixed_s": profile.step_fixed_s * f["decode"],
-        "corun_slowdown": f["corun"],
+        # the fitted co-run factor for the pair it was seen in; the other keeps the profile's
+        "corun_slowdown": profile.corun_slowdown if f.get("prefill_pair") else f["corun"],
+        "prefill_corun_slowdown": f["corun"] if f.get("prefill_pair") else profile.prefill_corun_slowdown,
         "step_loop_s": f["step_loop_s"],
         "step_jitter": f.get("jitter", []),
         "load_timeline": f.get("load_timeline", []) if timeline else [],

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from shared.config import Settings
 from shared.messages import SamplingParams
+from sim.calibrate import table_attention
 from sim.profile import Profile, monotone, smooth_prefill
 
 
@@ -249,7 +250,12 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     lengths = [n for n in (1, 16, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096) if n <= max_prompt]
     say(f"profile: prefill {lengths} ...")
     prefill_s = [bench.prefill(n, rep) for n in lengths]
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch]
+    # every batch up to 8: the block kernels change path with the rows of a step (x's rows in
+    # registers up to 4, on AVX-512 up to 6; an L1 buffer beyond: kernels/cpu/quant_block.h), a
+    # step in cost that interpolation between 4 and 8 smears over 5-7 (on the Zen 4 EPYC a fifth
+    # row added 3.4 ms to a 9.6 ms step before rows 5-6 moved into registers: docs/decisions.md,
+    # "Zen 4 again: a verify step's fifth and sixth rows in registers")
+    batches = [b for b in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64, 128, 256) if b <= max_batch]
     say(f"profile: decode batches {batches} ...")
     steps = 4 if quick else 8
     decode_s = [bench.decode(b, 16, steps) for b in batches]
@@ -258,11 +264,6 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     ctx_s = bench.decode(b_ctx, long_ctx, steps)
     short_ctx_s = decode_s[batches.index(b_ctx)] if b_ctx in batches else bench.decode(b_ctx, 16, steps)
     decode_ctx = max(0.0, (ctx_s - short_ctx_s) / (b_ctx * (long_ctx - 16)))
-    # attention inside one prompt: a prompt of 2h tokens against two of h (its second half's
-    # pairs with the first); the context term of a chunk after cached tokens is measured below
-    half = min(512, max_prompt // 2)
-    attn = max(0.0, (bench.prefill(2 * half, rep) - 2 * bench.prefill(half, rep) + _interp_at(lengths, prefill_s, 1))
-               / (half * half))
     # a chunk's attention to the context before it (chunked prompts, prefix-cache hits): the
     # same chunk after a long and a short context; the difference is the context pairs' cost
     lo, hi = min(128, max_prompt // 8), min(1024, max_prompt - 64)
@@ -283,8 +284,16 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
     say("profile: co-run slowdown ...")
     corun = _corun_slowdown(bench, min(8, max_batch)) if (os.cpu_count() or 1) > 1 else 1.0
     raw_prefill_s = [round(x, 6) for x in prefill_s]
-    prefill_s = smooth_prefill(lengths, prefill_s)  # the fit is monotone; a running max first would
-    # carry one slow short point (a GPU's 1-token prefill, 1.7x its 16-token one) to every longer one
+    # the fit is monotone; a running max first would carry one slow short point (a GPU's 1-token
+    # prefill, 1.7x its 16-token one) to every longer one. Attention inside one prompt: the fit's
+    # quadratic term (sim.calibrate.table_attention), so that a step of several prompts (the table at
+    # their total less the pairs between them) agrees with the table itself
+    attn = table_attention(lengths, prefill_s)
+    if attn is None:  # a table too short to fit: a prompt of 2h tokens against two of h
+        half = min(512, max_prompt // 2)
+        attn = max(0.0, (bench.prefill(2 * half, rep) - 2 * bench.prefill(half, rep)
+                         + _interp_at(lengths, prefill_s, 1)) / (half * half))
+    prefill_s = smooth_prefill(lengths, prefill_s)
     decode_s = monotone(decode_s)
     return Profile(
         name=name or f"{platform.node()}-{settings.model or 'smollm2'}".replace("/", "_")[:60],
@@ -302,7 +311,8 @@ def measure(settings: Settings, *, quick: bool = False, max_prompt: int = 2048, 
                         "ShmKVStore.put, get_views+admit_with_kv, JetStream publish→pull, Detokenizer+message+SSE JSON",
                  "torch_threads": torch.get_num_threads(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "request_cpu_s": "tokenize + 4 bus hops' worth of CPU (gateway, tokenizer, router): an estimate",
-                 "prefill_s": "least-squares a + b n + c n^2 over the measured points (sim.profile.smooth_prefill)",
+                 "prefill_s": "least-squares a + b n + c n^2 over the measured points (sim.profile.smooth_prefill); "
+                              "prefill_attn_s its 2c",
                  "prefill_s_measured": raw_prefill_s,
                  "decode_s": "greedy rows (temperature 0, what the load generators send)",
                  "sample_s_per_row": round(sample_row, 7), "kv_store_root": kv["root"],

@@ -41,6 +41,12 @@ def test_profile_command_writes_a_sane_profile(tiny_model_dir, tmp_path, monkeyp
     assert p.prefill_tokens == sorted(p.prefill_tokens) and p.prefill_tokens[-1] == 256
     assert all(b >= a > 0 for a, b in zip(p.prefill_s, p.prefill_s[1:]))  # monotone, positive
     assert all(b >= a > 0 for a, b in zip(p.decode_s, p.decode_s[1:]))
+    assert p.decode_batch == [1, 2, 3, 4, 5, 6, 7, 8]  # every batch where the kernels change path
+    # the attention per pair is the smoothed table's own (a step of several prompts agrees with it)
+    from sim.calibrate import table_attention
+
+    assert p.prefill_attn_s == pytest.approx(table_attention(p.prefill_tokens, p.sources["prefill_s_measured"]),
+                                             rel=0.05, abs=1e-12)  # from times rounded to 1 µs
     # tiny model: 2 layers × K,V × 2 KV heads × head_dim 16 × 2 bytes (bfloat16 here)
     assert p.kv_bytes_per_token in (2 * 2 * 2 * 16 * 2, 2 * 2 * 2 * 16 * 4)
     assert 0 < p.bus_hop_s < 1.0 and p.token_cpu_s > 0 and 1.0 <= p.corun_slowdown <= 2.0

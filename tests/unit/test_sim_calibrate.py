@@ -17,7 +17,8 @@ from sim.simulator import Topology, simulate
 from tests.unit.test_sim import _profile
 
 
-def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004, jitter=(0.7, 1.3)):
+def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004, jitter=(0.7, 1.3),
+                stages=("decode", "decode")):
     """Two workers on one host: worker 0 decodes alone for a while, then both are busy."""
     cost = CostModel(prof)
     rng = random.Random(1)
@@ -43,7 +44,7 @@ def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004,
         logs[1].append([t1 + 1.0, dt, [[256, 0]], 0, 0])
         t1 += dt + 0.01
     for w, steps in logs.items():
-        lines = [json.dumps({"header": {"stage": "decode", "cpus": str(w)}})] + [json.dumps(s) for s in steps]
+        lines = [json.dumps({"header": {"stage": stages[w], "cpus": str(w)}})] + [json.dumps(s) for s in steps]
         (tmp_path / f"w{w}.jsonl").write_text("\n".join(lines) + "\n")
     return t1 + 2
 
@@ -178,3 +179,68 @@ def test_idle_probe_waits_out_a_slow_start(monkeypatch):
     monkeypatch.setattr(client, "send_one", send)
     probe = asyncio.run(v._probe("http://127.0.0.1:9", "m", prompts))
     assert len(sent) == v.PROBE_MAX and not probe["settled"] and probe["ttft"] == pytest.approx(0.9)
+
+
+def test_a_smoothed_profile_prices_a_step_of_several_prompts_by_its_own_table():
+    """A table measured as ``a + b n + c n²`` (with noise on two points) gives back ``2c`` as the
+    attention per pair, whatever attention the profile carried, and a step of four 512-token
+    prompts then costs one step's constant, the linear term over 2,048 tokens and each prompt's
+    own pairs: the four alone less three constants."""
+    a, b, c = 0.01, 1.4e-3, 3.6e-7
+    tokens = [1, 16, 64, 128, 256, 512, 1024, 1536, 2048]
+    exact = [a + b * n + c * n * n for n in tokens]
+    assert calibrate.table_attention(tokens, exact) == pytest.approx(2 * c, rel=1e-6)
+    noisy = [t * (1.2 if n == 128 else 0.9 if n == 1024 else 1.0) for n, t in zip(tokens, exact)]
+    prof = replace(_profile(), prefill_tokens=tokens, prefill_s=exact, prefill_attn_s=0.0)
+    smooth = calibrate.smoothed(prof)
+    assert smooth.prefill_attn_s == pytest.approx(2 * c, rel=1e-6)
+    cost = CostModel(replace(smooth, step_loop_s=0.0))
+    four = cost.step([(512, 0)] * 4, 0, 0)
+    assert four == pytest.approx(a + b * 2048 + c * 4 * 512 * 512, rel=1e-6)
+    assert four == pytest.approx(4 * cost.prefill(512) - 3 * a, rel=1e-6)
+    # the profile's own attention term (here none) would have priced the four as one prompt of 2,048
+    assert CostModel(replace(prof, step_loop_s=0.0)).step([(512, 0)] * 4, 0, 0) == pytest.approx(exact[-1], rel=1e-6)
+    # a noisy table: still the fit's own quadratic, and the smoothed table lies on it
+    attn = calibrate.table_attention(tokens, noisy)
+    fitted = calibrate.smoothed(replace(prof, prefill_s=noisy))
+    assert fitted.prefill_attn_s == attn and attn > 0
+    second = [(y2 - y1) / (x2 - x1) for x1, x2, y1, y2 in zip(tokens, tokens[1:], fitted.prefill_s, fitted.prefill_s[1:])]
+    assert all(s2 >= s1 - 1e-12 for s1, s2 in zip(second, second[1:]))  # convex: its c is the attention's
+    # too short a table is not fitted
+    assert calibrate.table_attention([1, 16, 64], [0.01, 0.03, 0.1]) is None
+    assert calibrate.smoothed(replace(prof, prefill_tokens=[1, 16, 64], prefill_s=[0.01, 0.03, 0.1])).prefill_attn_s == 0.0
+
+
+def test_the_fitted_corun_factor_goes_to_the_pair_of_workers_it_was_seen_in(tmp_path):
+    """A run of a decode worker beside a prefill worker gives the co-run factor of that pair
+    (``prefill_corun_slowdown``), and the profile's measured ``corun_slowdown`` stays for two
+    workers without a prefill worker (aggregated); a run of two decode workers sets the latter."""
+    from sim.worker import Host
+
+    prof = _profile(step_loop_s=0.0, corun_slowdown=1.02)
+    end = _write_logs(tmp_path, prof, stages=("decode", "prefill"))
+    f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path), (0.0, end))
+    assert f["prefill_pair"] and f["corun"] == pytest.approx(1.25, rel=0.08)
+    p = calibrate.apply(prof, f)
+    assert p.prefill_corun_slowdown == f["corun"] and p.corun_slowdown == 1.02
+
+    class W:
+        def __init__(self, role, busy=True):
+            self.role, self.busy = role, busy
+
+    host = Host(0, p.corun_slowdown, prefill_corun=p.prefill_corun_slowdown)
+    dec, pre = W("decode"), W("prefill")
+    host.workers = [dec, pre]
+    assert host.factor(0.0, dec) == host.factor(0.0, pre) == f["corun"]
+    pre.busy = False
+    assert host.factor(0.0, dec) == 1.0
+    host.workers = [W("aggregated"), W("aggregated")]
+    assert host.factor(0.0, host.workers[0]) == 1.02
+    assert Host(0, 1.1).factor(0.0, host.workers[0]) == 1.0  # alone on its host
+    # a run of two decode workers (aggregated deployment): the general factor
+    for old in tmp_path.glob("*.jsonl"):
+        old.unlink()
+    end = _write_logs(tmp_path, prof)
+    f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path), (0.0, end))
+    p = calibrate.apply(prof, f)
+    assert not f["prefill_pair"] and p.corun_slowdown == f["corun"] and p.prefill_corun_slowdown is None
