@@ -22,15 +22,15 @@ What is fitted, from the steps inside the workload's window:
   chunk-size point of the prefill table); the overall ratio scales the attention term;
 * ``corun`` — the same ratio for steps that overlapped another worker's step, over the alone
   one: the host's co-running slowdown as the run met it (shared cores, memory bandwidth, and
-  the services' CPU, which is busiest when both workers are) — it replaces the simulator's
-  processor-sharing term (the topology's ``host_cores`` is set to 0 by
-  :func:`calibrated_topology`: that contention is inside the observed steps) and, for the pair
-  of workers it was seen in, the profile's co-run factor: ``prefill_corun_slowdown`` where the
-  run has a prefill worker (``prefill_pair``: a decode worker beside a prefill worker that
-  stages KV), else ``corun_slowdown``. The other pairing keeps the profile's measured
-  ``corun_slowdown`` (``sim.measure``: a decode step beside a matmul on the other core): on
-  the Zen 4 EPYC a disaggregated run's decode steps beside prefill steps took 1.11x those
-  alone where the profile measured 1.00x beside a matmul (``docs/data/sim-oos-zen4``);
+  the services' CPU, which is busiest when both workers are) — it replaces the profile's
+  ``corun_slowdown`` and the simulator's processor-sharing term (the topology's ``host_cores``
+  is set to 0 by :func:`calibrated_topology`: that contention is inside the observed steps).
+  It is one factor for every pair of workers: on the Intel Xeon runs of
+  ``docs/data/sim-oos-xeon`` an aggregated deployment's decode steps beside the other worker's
+  steps took 1.07x those alone (batch 1, 1,570 against 2,592 steps) and a disaggregated
+  deployment's beside prefill steps 1.03-1.13x, where the profile measured 1.00x beside a
+  matmul on the other core (``sim.measure``): the contention is the host's (the pipeline's
+  services share the two cores), not one pairing's;
 * ``jitter`` — the spread of each decode step's time over what those ratios predict for it
   (twenty equally likely levels, mean 1): the stretches in which other processes held the
   core. Decode steps only, and replayed on decode steps only: a prefill step of seconds
@@ -278,7 +278,6 @@ def _ratios(profile: Profile, logs: list[StepLog], window: tuple[float, float] |
         cross = profile.prefill_attn_s * (total * total - sum(c[0] * c[0] for c in chunks)) / 2
         rows.append((o, cost.prefill(total) - cross, sum(c[0] * c[1] for c in chunks)))
     return {"decode": dec, "prefill": pre, "corun": corun, "jitter": [round(j / mean, 4) for j in jitter],
-            "prefill_pair": any(str(log.header.get("stage", "")) == "prefill" for log in logs),
             "_prefill_rows": rows, "load_timeline": timeline,
             "decode_by_batch": by["decode"], "prefill_by_tokens": by["prefill"],
             "step_loop_s": statistics.median(gaps) if gaps else profile.step_loop_s,
@@ -369,9 +368,7 @@ def apply(profile: Profile, f: dict, timeline: bool = True) -> Profile:
         "decode_s": [x * r for x, r in zip(profile.decode_s, f.get("decode_by_batch") or [f["decode"]] * 99)],
         "decode_ctx_s": profile.decode_ctx_s * f["decode"],
         "step_fixed_s": profile.step_fixed_s * f["decode"],
-        # the fitted co-run factor for the pair it was seen in; the other keeps the profile's
-        "corun_slowdown": profile.corun_slowdown if f.get("prefill_pair") else f["corun"],
-        "prefill_corun_slowdown": f["corun"] if f.get("prefill_pair") else profile.prefill_corun_slowdown,
+        "corun_slowdown": f["corun"],
         "step_loop_s": f["step_loop_s"],
         "step_jitter": f.get("jitter", []),
         "load_timeline": f.get("load_timeline", []) if timeline else [],

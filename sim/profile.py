@@ -167,10 +167,6 @@ class Profile:
             modelled ones; calibrated from an idle request's TTFT.
         corun_slowdown: step-time factor when another model worker on the same host is busy
             (shared memory bandwidth and caches), 1.0 = none.
-        prefill_corun_slowdown: the factor instead of ``corun_slowdown`` where one of the two
-            busy workers is a prefill worker (a prefill worker's steps stage every prompt's KV
-            from a copy thread; the decode worker beside it loads and imports them): fitted
-            by :mod:`sim.calibrate` on a run of such a pair; None = ``corun_slowdown``.
         step_jitter: equally likely factors (mean 1) one step's time is multiplied by — the
             spread of observed over predicted step times of a run on a shared machine (other
             processes taking the core for a while), measured by :mod:`sim.calibrate`;
@@ -218,7 +214,6 @@ class Profile:
     step_loop_s: float = 0.0
     pipeline_s: float = 0.0
     corun_slowdown: float = 1.0
-    prefill_corun_slowdown: float | None = None
     step_jitter: list[float] = field(default_factory=list)
     load_timeline: list[float] = field(default_factory=list)
     load_bin_s: float = 0.0

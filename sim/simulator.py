@@ -50,8 +50,7 @@ class Topology:
         host_cores: cores per host (0 = processor sharing not modelled: a GPU-class worker, or
             a calibrated replay whose contention is in the profile's co-run factor).
         workers_per_host: model workers sharing one host (the modes benchmark: 2 on 2 cores);
-            the profile's ``corun_slowdown`` applies among them (``prefill_corun_slowdown``
-            beside a prefill worker).
+            the profile's ``corun_slowdown`` applies among them.
         max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens: engine settings
             (``PD_MAX_NUM_SEQS``...); 0 chunk = whole prompts.
         local_max_tokens: the conditional router's ``PD_ROUTER_LOCAL_MAX_TOKENS``.
@@ -156,8 +155,7 @@ class Simulation:
         def host_for(i: int) -> Host:
             h = i // max(1, topo.workers_per_host)
             while len(self.hosts) <= h:
-                self.hosts.append(Host(topo.host_cores, profile.corun_slowdown,
-                                       prefill_corun=profile.prefill_corun_slowdown))
+                self.hosts.append(Host(topo.host_cores, profile.corun_slowdown))
             return self.hosts[h]
 
         self.prefill: list[SimWorker] = []

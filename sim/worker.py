@@ -67,18 +67,14 @@ class Host:
     """A machine's cores, shared by its model workers and the pipeline's services.
 
     A step's time is multiplied by :meth:`factor`: ``corun_slowdown`` when another worker of the
-    host is busy (shared memory bandwidth) — ``prefill_corun`` instead where this worker or a
-    busy one beside it is a prefill worker (``Profile.prefill_corun_slowdown``; None: the
-    same) — and, unless ``cores`` is 0 (not modelled: a GPU-class worker, or a calibrated run
-    whose contention is in the fitted co-run ratio), processor sharing when busy workers plus
-    the services' CPU demand (tokenizer, detokenize, SSE: an exponential average over
-    ``tau_s``) exceed the cores.
+    host is busy (shared memory bandwidth), and — unless ``cores`` is 0 (not modelled: a
+    GPU-class worker, or a calibrated run whose contention is in the fitted co-run ratio) —
+    processor sharing when busy workers plus the services' CPU demand (tokenizer, detokenize,
+    SSE: an exponential average over ``tau_s``) exceed the cores.
     """
 
-    def __init__(self, cores: int, corun_slowdown: float = 1.0, tau_s: float = 2.0,
-                 prefill_corun: float | None = None):
+    def __init__(self, cores: int, corun_slowdown: float = 1.0, tau_s: float = 2.0):
         self.cores, self.corun, self.tau = cores, corun_slowdown, tau_s
-        self.prefill_corun = corun_slowdown if prefill_corun is None else prefill_corun
         self.workers: list[SimWorker] = []
         self._acc, self._at = 0.0, 0.0
 
@@ -94,12 +90,8 @@ class Host:
     def factor(self, now: float, worker: SimWorker) -> float:
         if len(self.workers) < 2 and not self.cores:
             return 1.0
-        others = [w for w in self.workers if w.busy and w is not worker]
-        busy = len(others) + 1
-        f = 1.0
-        if others:
-            pair = worker.role == "prefill" or any(w.role == "prefill" for w in others)
-            f = self.prefill_corun if pair else self.corun
+        busy = sum(1 for w in self.workers if w.busy and w is not worker) + 1
+        f = self.corun if busy > 1 else 1.0
         if not self.cores:
             return f
         demand = busy + self.service_load(now)

@@ -17,8 +17,7 @@ from sim.simulator import Topology, simulate
 from tests.unit.test_sim import _profile
 
 
-def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004, jitter=(0.7, 1.3),
-                stages=("decode", "decode")):
+def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004, jitter=(0.7, 1.3)):
     """Two workers on one host: worker 0 decodes alone for a while, then both are busy."""
     cost = CostModel(prof)
     rng = random.Random(1)
@@ -44,7 +43,7 @@ def _write_logs(tmp_path, prof, decode=1.8, prefill=1.3, corun=1.25, gap=0.0004,
         logs[1].append([t1 + 1.0, dt, [[256, 0]], 0, 0])
         t1 += dt + 0.01
     for w, steps in logs.items():
-        lines = [json.dumps({"header": {"stage": stages[w], "cpus": str(w)}})] + [json.dumps(s) for s in steps]
+        lines = [json.dumps({"header": {"stage": "decode", "cpus": str(w)}})] + [json.dumps(s) for s in steps]
         (tmp_path / f"w{w}.jsonl").write_text("\n".join(lines) + "\n")
     return t1 + 2
 
@@ -209,38 +208,3 @@ def test_a_smoothed_profile_prices_a_step_of_several_prompts_by_its_own_table():
     # too short a table is not fitted
     assert calibrate.table_attention([1, 16, 64], [0.01, 0.03, 0.1]) is None
     assert calibrate.smoothed(replace(prof, prefill_tokens=[1, 16, 64], prefill_s=[0.01, 0.03, 0.1])).prefill_attn_s == 0.0
-
-
-def test_the_fitted_corun_factor_goes_to_the_pair_of_workers_it_was_seen_in(tmp_path):
-    """A run of a decode worker beside a prefill worker gives the co-run factor of that pair
-    (``prefill_corun_slowdown``), and the profile's measured ``corun_slowdown`` stays for two
-    workers without a prefill worker (aggregated); a run of two decode workers sets the latter."""
-    from sim.worker import Host
-
-    prof = _profile(step_loop_s=0.0, corun_slowdown=1.02)
-    end = _write_logs(tmp_path, prof, stages=("decode", "prefill"))
-    f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path), (0.0, end))
-    assert f["prefill_pair"] and f["corun"] == pytest.approx(1.25, rel=0.08)
-    p = calibrate.apply(prof, f)
-    assert p.prefill_corun_slowdown == f["corun"] and p.corun_slowdown == 1.02
-
-    class W:
-        def __init__(self, role, busy=True):
-            self.role, self.busy = role, busy
-
-    host = Host(0, p.corun_slowdown, prefill_corun=p.prefill_corun_slowdown)
-    dec, pre = W("decode"), W("prefill")
-    host.workers = [dec, pre]
-    assert host.factor(0.0, dec) == host.factor(0.0, pre) == f["corun"]
-    pre.busy = False
-    assert host.factor(0.0, dec) == 1.0
-    host.workers = [W("aggregated"), W("aggregated")]
-    assert host.factor(0.0, host.workers[0]) == 1.02
-    assert Host(0, 1.1).factor(0.0, host.workers[0]) == 1.0  # alone on its host
-    # a run of two decode workers (aggregated deployment): the general factor
-    for old in tmp_path.glob("*.jsonl"):
-        old.unlink()
-    end = _write_logs(tmp_path, prof)
-    f = calibrate.fit(prof, calibrate.read_step_logs(tmp_path), (0.0, end))
-    p = calibrate.apply(prof, f)
-    assert not f["prefill_pair"] and p.corun_slowdown == f["corun"] and p.prefill_corun_slowdown is None
