@@ -147,9 +147,9 @@ class Settings:
         "AVX512-BF16 CPU, weights and inputs rounded to bf16, bf16 dot products; attention too (q.k and "
         "p.v over the bf16 KV cache, head_dim 64 or 128, with the batch-invariant mode). amx: the same "
         "roundings with the matmuls on AMX tiles (Intel Sapphire Rapids and later; attention as bf16). "
-        "auto: amx for a bfloat16 model (PD_DTYPE=auto there) on an AMX CPU, bf16 on AVX512-BF16 "
-        "without AMX; else float32 (int8 was faster on AVX2 but changed a greedy known answer there; "
-        "on the AMX Xeon float32 gives a shorter gap between tokens at one stream, amx more tokens/s "
+        "auto: amx for a bfloat16 model (PD_DTYPE=auto there) on an AMX CPU, bf16 on an AMD AVX512-BF16 "
+        "CPU without AMX; else float32 (on an Intel CPU without AMX tiles the bf16 loops measured slower; "
+        "int8 was faster on AVX2 but changed a greedy known answer there; on the AMX Xeon float32 gives a shorter gap between tokens at one stream, amx more tokens/s "
         "and a faster prefill: docs/decisions.md).",
         default="auto",
     )

@@ -66,7 +66,8 @@ def _kernel():
 BLOCK_DOTS = ("float32", "int8", "bf16", "amx")
 
 
-def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.dtype | None = None) -> str:
+def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.dtype | None = None,
+                      vendor: str | None = None) -> str:
     """The block kernels' arithmetic for ``PD_BLOCK_DOT=setting``: one of :data:`BLOCK_DOTS`,
     or ``auto``, which is, measured per CPU kind (docs/decisions.md, "Int8 activations on AVX2"
     and "bf16 dot products timed on AVX512-BF16"):
@@ -76,10 +77,16 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
       SmolLM2's greedy answer to "What is the capital of France?" into another sentence than the
       float32 reference's (``tests/e2e/test_smollm2_reference.py``): exact sums first, ``int8``
       stays an opt-in (``PD_BLOCK_DOT=int8``);
-    * ``bf16`` with AVX512-BF16 and no AMX when the model computes in bfloat16 (``dtype``; what
-      ``PD_DTYPE=auto`` picks there). On the AVX-512 EPYC (Zen 4 class) its loops run 1.3-2.4x
-      the float32 ones from 4 rows up, and the engine decoded 1.6-1.8x the tokens/s at batch
-      8-64 and prefilled 1.6-2.4x faster, as fast at batch 1;
+    * ``bf16`` on an AMD CPU with AVX512-BF16 and no AMX when the model computes in bfloat16
+      (``dtype``; what ``PD_DTYPE=auto`` picks there). On the AVX-512 EPYC (Zen 4 class) its
+      loops run 1.3-2.4x the float32 ones from 4 rows up, and the engine decoded 1.6-1.8x the
+      tokens/s at batch 8-64 and prefilled 1.6-2.4x faster, as fast at batch 1. Not on an Intel
+      CPU (``vendor`` ``GenuineIntel``) without AMX tiles: on a Xeon of family 6 model 207
+      (AVX512-BF16 and -FP16, its AMX hidden by the hypervisor; 2026-12-07) the same loops ran
+      0.57-1.03x the float32 ones at 1-64 rows, as on the AMX Xeon (0.58-0.91x), and the engine
+      with float32 loops (attention float32 too) prefilled 1.07-1.25x faster at 512 and 2,048
+      tokens and decoded 1.16-1.28x faster at batch 1 and 8 (docs/decisions.md, "Intel without
+      AMX tiles: float32 block loops"), so ``float32`` there;
     * ``amx`` on an AMX Xeon (``amx_tile`` and ``amx_bf16``; Sapphire Rapids class) when the
       model computes in bfloat16: bf16's roundings with the dot products on AMX tiles. There the
       bf16 register loops ran 0.58-0.91x the float32 ones at 1-128 rows (2026-12-03), while the
@@ -89,7 +96,8 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
       slower there from 4 rows up).
 
     ``cpu_flags``: ``/proc/cpuinfo``'s flags (default: this CPU's). ``dtype``: the model's
-    compute dtype (``None``: not bfloat16).
+    compute dtype (``None``: not bfloat16). ``vendor``: ``/proc/cpuinfo``'s ``vendor_id``
+    (default: this CPU's).
 
     Raises:
         ValueError: an unknown setting.
@@ -109,7 +117,13 @@ def resolve_block_dot(setting: str, cpu_flags: str | None = None, dtype: torch.d
         return "float32"
     if {"amx_tile", "amx_bf16"} <= flags:
         return "amx"
-    return "bf16" if "avx512_bf16" in flags and "amx_tile" not in flags else "float32"
+    if "avx512_bf16" not in flags or "amx_tile" in flags:
+        return "float32"
+    if vendor is None:
+        from kernels.cpu import _cpu_vendor
+
+        vendor = _cpu_vendor()
+    return "float32" if vendor == "GenuineIntel" else "bf16"
 
 
 def _kernel_has_bf16() -> bool:

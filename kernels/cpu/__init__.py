@@ -95,6 +95,17 @@ def build_extension(source_name: str, name: str, flags: list[str]):
                      build_directory=str(folder), verbose=False)
 
 
+def _cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; ``""`` where unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags (``-march=native`` builds differ between machines)."""
     try:

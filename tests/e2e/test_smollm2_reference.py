@@ -52,13 +52,15 @@ ANSWER_TOKENS = 24
 
 
 def expected_resolution(flags: str) -> tuple[torch.dtype, str]:
-    """What ``PD_DTYPE=auto`` and ``PD_BLOCK_DOT=auto`` must resolve to on a CPU with ``flags``
-    (the README's settings table, written out independently of engine.model.loader/quant)."""
+    """What ``PD_DTYPE=auto`` and ``PD_BLOCK_DOT=auto`` must resolve to on a CPU whose
+    ``/proc/cpuinfo`` reads ``flags`` (the README's settings table, written out independently of
+    engine.model.loader/quant)."""
     native_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    if native_bf16:  # AMX tiles on an AMX CPU, bf16 dot products on AVX512-BF16 without AMX
+    if native_bf16:  # AMX tiles on an AMX CPU, bf16 dot products on an AMD AVX512-BF16 CPU without AMX
         if "amx_tile" in flags:
             return torch.bfloat16, "amx" if "amx_bf16" in flags and "avx512bw" in flags else "float32"
-        return torch.bfloat16, "bf16" if "avx512_bf16" in flags else "float32"
+        intel = "GenuineIntel" in flags  # its bf16 register loops measured slower than float32
+        return torch.bfloat16, "bf16" if "avx512_bf16" in flags and not intel else "float32"
     return torch.float32, "float32"
 
 
