@@ -149,8 +149,8 @@ class Settings:
         "roundings with the matmuls on AMX tiles (Intel Sapphire Rapids and later; attention as bf16). "
         "auto: amx for a bfloat16 model (PD_DTYPE=auto there) on an AMX CPU, bf16 on an AMD AVX512-BF16 "
         "CPU without AMX; else float32 (on an Intel CPU without AMX tiles the bf16 loops measured slower; "
-        "int8 was faster on AVX2 but changed a greedy known answer there; on the AMX Xeon float32 gives a shorter gap between tokens at one stream, amx more tokens/s "
-        "and a faster prefill: docs/decisions.md).",
+        "int8 was faster on AVX2 but changed a greedy known answer there; on the AMX Xeon float32 gives a "
+        "shorter gap between tokens at one stream, amx more tokens/s and a faster prefill: docs/decisions.md).",
         default="auto",
     )
 

@@ -95,25 +95,27 @@ def build_extension(source_name: str, name: str, flags: list[str]):
                      build_directory=str(folder), verbose=False)
 
 
-def _cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; ``""`` where unknown)."""
+def _cpuinfo_line(key: str) -> str:
+    """The first line of ``/proc/cpuinfo`` that starts with ``key`` (``""`` where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith(key):
+                return line
     except OSError:
         pass
     return ""
 
 
+def _cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; ``""`` where unknown)."""
+    return _cpuinfo_line("vendor_id").partition(":")[2].strip()
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags (``-march=native`` builds differ between machines)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
+    line = _cpuinfo_line("flags")
+    if line:
+        return line
     import platform
 
     return platform.processor()
