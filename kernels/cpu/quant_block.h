@@ -118,13 +118,18 @@ struct TileScales {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PDQ_AVX512 1
 inline constexpr const char* kIsa = "avx512";
+#define PDQ_AVX2_INLINE inline
+#define PDQ_AVX2_UNROLL
 #else
 inline constexpr const char* kIsa = "avx2";
+// Forced inlining and unrolling of the small-row register tiles (see tile_registers).
+#define PDQ_AVX2_INLINE inline __attribute__((always_inline))
+#define PDQ_AVX2_UNROLL _Pragma("GCC unroll 8")
 #endif
 
 // The 32 weights of one group as four vectors of 8 floats (AVX2; also used to de-quantize).
 template <bool Q4>
-inline void load_group(const uint8_t* codes, float d, float m, __m256 w[4]) {
+PDQ_AVX2_INLINE void load_group(const uint8_t* codes, float d, float m, __m256 w[4]) {
   const __m256 vd = _mm256_set1_ps(d);
   if constexpr (Q4) {
     const __m256 vm = _mm256_set1_ps(m);
@@ -171,7 +176,7 @@ constexpr int V = G / L;  // vectors per group
 
 // The 32 weights of group g of one weight row as V vectors, w = q d (+ m).
 template <bool Q4>
-inline void group_vectors(const uint8_t* codes, const float* d, const float* m, int64_t g, vf w[V]) {
+PDQ_AVX2_INLINE void group_vectors(const uint8_t* codes, const float* d, const float* m, int64_t g, vf w[V]) {
   constexpr int64_t bytes = Q4 ? G / 2 : G;
   const uint8_t* c = codes + g * bytes;
 #ifdef PDQ_AVX512
@@ -392,20 +397,32 @@ struct Bf16Dot {
 // Small M (<= kRegisterRows rows of x): NB weight rows against R rows, groups widened in
 // registers. Prefetch: whether this call prefetches the next tile of four weight rows (false
 // for the second pair of a tile that rows_registers_wide splits in two).
+// (AVX2 builds: always inlined with its loops unrolled, and so are load_group / group_vectors
+// (PDQ_AVX2_INLINE). Left to its own choice GCC compiled the one-row tile of the 4-bit float32
+// path in quant_linear.cpp with the group's widening as a call and the accumulators on the
+// stack: 12 GFLOP/s where two rows ran at 29; inlined, 18-19 (AMD EPYC Zen 3, one thread,
+// docs/decisions.md). The instructions of each accumulator chain are unchanged, so are the bits.
+// AVX-512 builds keep the compiler's choice, the code measured on those machines.)
 template <typename A, bool Q4, int R, int NB, bool Prefetch = true>
-inline void tile_registers(const typename A::X* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
-                           int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
+PDQ_AVX2_INLINE void tile_registers(const typename A::X* x, int64_t K, const uint8_t* codes, const float* d,
+                                    const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
   typename A::Acc acc[R][NB];
+  PDQ_AVX2_UNROLL
   for (int r = 0; r < R; ++r)
+    PDQ_AVX2_UNROLL
     for (int j = 0; j < NB; ++j) acc[r][j] = A::zero();
   for (int64_t g = 0; g < ng; ++g) {
     if constexpr (Prefetch) prefetch_next_tile<Q4>(codes, row_bytes, g);
     typename A::Wv w[NB][A::kSteps];
+    PDQ_AVX2_UNROLL
     for (int j = 0; j < NB; ++j)
       A::template group<Q4>(codes + j * row_bytes, d + j * ng, Q4 ? m + j * ng : d, g, w[j]);
+    PDQ_AVX2_UNROLL
     for (int v = 0; v < A::kSteps; ++v)
+      PDQ_AVX2_UNROLL
       for (int r = 0; r < R; ++r) {
         const typename A::Wv xv = A::load(x + r * K + g * G + v * A::kStep);
+        PDQ_AVX2_UNROLL
         for (int j = 0; j < NB; ++j) acc[r][j] = A::step(acc[r][j], xv, w[j][v]);
       }
   }
