@@ -892,7 +892,11 @@ inline void amx_widen(const uint8_t* codes, const float* d, const float* m, int6
     const uint8_t* ci = codes + i * row_bytes;
     const float* di = d + i * nt;
     const float* mi = Q4 ? m + i * nt : di;
-    _mm_prefetch(reinterpret_cast<const char*>(t1 < nt ? ci + t1 * bytes : next + i * row_bytes), _MM_HINT_T0);
+    // this row's next chunk, and the next rows' line at this chunk's offset (as the float32 loops
+    // prefetch PDQ_AHEAD rows ahead): a batch-1 step streams every weight once, and the hardware
+    // prefetchers lose the 16 NB interleaved row streams
+    if (t1 < nt) _mm_prefetch(reinterpret_cast<const char*>(ci + t1 * bytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next + i * row_bytes + t0 * bytes), _MM_HINT_T0);
     for (int64_t t = t0; t < t1; ++t) {
       if constexpr (Q4) {
         if (t + 1 < t1) {
@@ -1036,6 +1040,11 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
     const int nb = (rows + 15) / 16;
     const uint8_t* cn = codes + n * row_bytes;
     ts.widen<Q4>(d + n * ng, m + n * ng, rows * ng);
+    // the next rows' scales (and minimums), read when their block starts
+    for (int64_t off = 0; off < 16 * per * ng; off += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(d + (n + 16 * per) * ng + off), _MM_HINT_T0);
+      if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(m + (n + 16 * per) * ng + off), _MM_HINT_T0);
+    }
     const float* dn = ts.d;
     const float* mn = ts.m;
     const uint8_t* next = cn + 16 * per * row_bytes;
