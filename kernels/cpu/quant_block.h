@@ -969,8 +969,9 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
   // c's sums of blocks [0, nb) against groups j0 .. j0 + jb - 1 into y (weight rows from n). A C
   // tile holds [weight row i][row r of x] and y wants row r's 16 weight rows side by side: a
   // 16 x 16 transpose of its dwords (transpose16_epi32) when the group has 8 or more rows of x,
-  // else a gather per row (decode's few rows). Copies only: the bits are the tiles'. The scalar
-  // copy this replaces took ~45 % of block_rows_amx's time in a 470-token prefill (perf, AMX Xeon).
+  // else a gather per row (decode's few rows). Copies only: the bits are the tiles'. (The scalar
+  // copy this replaced held ~45 % of block_rows_amx's samples in a 470-token prefill, most of them
+  // waiting for the tile stores: measured within noise of it, docs/decisions.md.)
   const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(16));  // element i of column r: 16 i + r
   auto scatter = [&](const float* cs, int64_t n, int rows, int nb, int64_t j0, int jb) {
@@ -992,7 +993,7 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
       }
     }
   };
-  TileScales ts(64 * ng);  // a block's (<= 64 rows) scales as float32 (read in order: no prefetch needed)
+  TileScales ts(64 * ng);  // a block's (<= 64 rows) scales as float32 (up to 64 rows of x, the next block's are prefetched below)
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
