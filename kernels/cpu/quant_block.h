@@ -744,6 +744,12 @@ inline void amx_q4_group(const uint8_t* c, float d, float m, uint16_t* out) {
   _mm512_store_si512(out, _mm512_permutexvar_epi16(idx, table));
 }
 
+// Dword offsets 0, 16, ..., 240: one column of a 16 x 16 tile of dwords, as gather / scatter indices.
+inline __m512i tile_column() {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(16));
+}
+
 // v[p] dword c = v[c] dword p: a 16 x 16 transpose of dwords (unpacks within 128-bit lanes, then
 // 128-bit lanes gathered across the vectors).
 inline void transpose16_epi32(__m512i v[16]) {
@@ -794,8 +800,7 @@ inline void vnni_rows_bf16_range(const float* x, int64_t r0, int64_t r1, int64_t
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + 32 * p, v[p]);
     }
   // the rest (a partial last group): each row's dwords scattered down its tile column
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(16));  // dword p of a row goes to tile row p
+  const __m512i column = tile_column();  // dword p of a row goes to tile row p
   for (; r < r1; ++r)
     for (int64_t t = 0; t < nt; ++t) {
       const __m512i row = _mm512_permutexvar_epi16(perm, reinterpret_cast<__m512i>(bpack(x + r * K + t * G)));
@@ -972,8 +977,7 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
   // else a gather per row (decode's few rows). Copies only: the bits are the tiles'. (The scalar
   // copy this replaced held ~45 % of block_rows_amx's samples in a 470-token prefill, most of them
   // waiting for the tile stores: measured within noise of it, docs/decisions.md.)
-  const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(16));  // element i of column r: 16 i + r
+  const __m512i down = tile_column();  // element i of column r: 16 i + r
   auto scatter = [&](const float* cs, int64_t n, int rows, int nb, int64_t j0, int jb) {
     for (int b = 0; b < nb; ++b) {
       const __mmask16 keep = static_cast<__mmask16>((1u << std::min(16, rows - 16 * b)) - 1u);
@@ -993,7 +997,7 @@ inline void block_rows_amx(const uint16_t* xv, int64_t M, int64_t K, const uint8
       }
     }
   };
-  TileScales ts(64 * ng);  // a block's (<= 64 rows) scales as float32 (up to 64 rows of x, the next block's are prefetched below)
+  TileScales ts(64 * ng);  // a block's (<= 64 rows) scales as float32 (the decode path prefetches the next block's)
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
