@@ -82,6 +82,8 @@ async def _burst(url: str, model: str, texts: list[str], max_tokens: int) -> dic
             "later_itl_p99_ms": (percentile(later, 99) or float("nan")) * 1e3,
             "hop_p50_ms": statistics.median(hop) if hop else float("nan"), "hop_max_ms": max(hop) if hop else float("nan"),
             "hop_phases_max_ms": {k: max(ph.get(k, 0.0) for ph in phases) for k in HOP_PHASES} if phases else {},
+            "hop_phases_p50_ms": {k: statistics.median(ph.get(k, 0.0) for ph in phases) for k in HOP_PHASES}
+            if phases else {},
             "errors": sorted({r.error[:120] for r in results if not r.ok}),
             "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
             "ttft_max_s": max(ttfts) if ttfts else float("nan"),
@@ -149,7 +151,8 @@ def print_long_mix(rows, n: int, min_words: int, max_words: int, max_tokens: int
     ours = figures.get("pdserve up")
     if ours and ours.get("hop_phases_max_ms"):
         print("   pdserve's hand-off, the longest of each phase: "
-              + ", ".join(f"{k} {v:.0f} ms" for k, v in ours["hop_phases_max_ms"].items()))
+              + ", ".join(f"{k} {v:.0f} ms" for k, v in ours["hop_phases_max_ms"].items())
+              + "; the median: " + ", ".join(f"{k} {v:.0f} ms" for k, v in ours.get("hop_phases_p50_ms", {}).items()))
     theirs = next((f for s, f in figures.items() if s.startswith("llama.cpp")), None)
     if ours and theirs:
         ratio = ours["wall_s"] / theirs["wall_s"]

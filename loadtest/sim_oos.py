@@ -110,7 +110,7 @@ def measure(base, args, vocab: int, say) -> dict:
                 t1 = time.perf_counter()
                 s = summarize(res, wall, args.slo_ttft, args.slo_tpot).to_dict()
                 s.update(window=[t0, t1], probe=probe, load_average=os.getloadavg(), order=order,
-                         at=time.strftime("%H:%M:%S"))
+                         at=time.strftime("%H:%M:%S"), kv_prefetch=settings.kv_prefetch)
                 order += 1
                 out[key(mode, trace, rate, rep)] = s
                 say(f"oos: {key(mode, trace, rate, rep)}: {s['num_ok']}/{s['num_requests']} ok, TTFT p50/p90 "
@@ -130,7 +130,7 @@ def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tupl
     window; its load timeline dropped; one decode ratio) and the pipeline latency of its
     unqueued short requests (:func:`pipeline_from_run`; the idle probe's where it has none);
     the fitted numbers beside it (``pipeline_from``: ``run`` or ``probe``)."""
-    from loadtest.sim_validate import _pipeline_from_probe, sim_topologies
+    from loadtest.sim_validate import _pipeline_from_probe, measured_kv_prefetch, sim_topologies
 
     mode = fit_key.split("|")[0]
     m = measured[fit_key]
@@ -140,7 +140,7 @@ def frozen_profile(profile: Profile, measured: dict, fit_key: str, args) -> tupl
     fitted.pop("_prefill_rows", None)
     fitted.pop("load_timeline", None)
     prof = cal.apply(profile, fitted, timeline=False)
-    topo = twin(sim_topologies(args.crossover, 2)[mode], prof, args)
+    topo = twin(sim_topologies(args.crossover, 2, measured_kv_prefetch(measured))[mode], prof, args)
     path = _requests_path(Path(args.out), fit_key)
     _, trace, rate, _ = fit_key.split("|")
     pipe = pipeline_from_run(prof, topo, workload(trace, float(rate), args),
@@ -213,9 +213,9 @@ SEEDS = 5
 def predict(prof: Profile, measured: dict, args, seeds: int = SEEDS) -> dict:
     """{key: the simulator's summary of that run's requests on the frozen profile}, each
     percentile and the SLO attainment the median over ``seeds`` simulations (:data:`SEEDS`)."""
-    from loadtest.sim_validate import sim_topologies
+    from loadtest.sim_validate import measured_kv_prefetch, sim_topologies
 
-    topos = {k: twin(v, prof, args) for k, v in sim_topologies(args.crossover, 2).items()}
+    topos = {k: twin(v, prof, args) for k, v in sim_topologies(args.crossover, 2, measured_kv_prefetch(measured)).items()}
     out, cache = {}, {}
     for k in measured:
         mode, trace, rate, _ = k.split("|")

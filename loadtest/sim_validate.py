@@ -37,9 +37,11 @@ from sim.profile import Profile
 from sim.simulator import Topology, simulate
 
 
-def sim_topologies(crossover: int, cores: int) -> dict[str, Topology]:
-    """The simulator's twin of each ``bench_modes.mode_plans`` deployment."""
-    common = dict(max_num_seqs=32, host_cores=cores, workers_per_host=2, local_max_tokens=crossover)
+def sim_topologies(crossover: int, cores: int, kv_prefetch: bool = True) -> dict[str, Topology]:
+    """The simulator's twin of each ``bench_modes.mode_plans`` deployment; ``kv_prefetch``: its
+    decode workers read early-staged KV ahead (``PD_KV_PREFETCH``; see :func:`measured_kv_prefetch`)."""
+    common = dict(max_num_seqs=32, host_cores=cores, workers_per_host=2, local_max_tokens=crossover,
+                  kv_prefetch=kv_prefetch)
     return {
         "disaggregated": Topology(mode="disaggregated", prefill=1, decode=1, max_num_batched_tokens=2048,
                                   max_prefill_chunk_tokens=512, **common),
@@ -49,6 +51,14 @@ def sim_topologies(crossover: int, cores: int) -> dict[str, Topology]:
         "conditional": Topology(mode="conditional", prefill=1, decode=1, max_num_batched_tokens=2048,
                                 max_prefill_chunk_tokens=512, **common),
     }
+
+
+def measured_kv_prefetch(measured: dict | None) -> bool:
+    """Whether the deployments of measured runs (``measured.json``: a summary dict per run or
+    mode) read early-staged KV ahead of the DecodeTask: each run records ``kv_prefetch`` (its
+    ``PD_KV_PREFETCH``) since that read exists; runs kept from before have no record and had none."""
+    runs = [v for v in (measured or {}).values() if isinstance(v, dict)]
+    return bool(runs) and all(v.get("kv_prefetch", False) for v in runs)
 
 
 def keep_logs(src: Path, dest: Path, say=print) -> None:
@@ -91,7 +101,8 @@ def measure_modes(base, modes: list[str], args, vocab: int, crossover: int, say)
             res, wall = asyncio.run(run_workload(dep.url, model, specs, extra={"ignore_eos": True}, progress=False))
             t1 = time.perf_counter()
             out[name] = summarize(res, wall, args.slo_ttft, args.slo_tpot).to_dict()
-            out[name].update(probe=probe, window=[t0, t1], load_average=os.getloadavg())
+            out[name].update(probe=probe, window=[t0, t1], load_average=os.getloadavg(),
+                             kv_prefetch=settings.kv_prefetch)
             if args.out:  # each mode as it completes: a long run interrupted keeps what it measured
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "measured.json").write_text(json.dumps(out, indent=1, default=str))
@@ -176,7 +187,8 @@ def simulate_modes(profile: Profile, modes: list[str], args, vocab: int, crossov
     from sim import calibrate as cal
 
     reqs = traces.synthetic(args.requests, args.rate, _mix(args), args.output_tokens, seed=3, vocab_size=vocab)
-    topos = sim_topologies(crossover, args.cores or profile.host_cores or (os.cpu_count() or 1))
+    topos = sim_topologies(crossover, args.cores or profile.host_cores or (os.cpu_count() or 1),
+                           measured_kv_prefetch(measured))
     out = {}
     for name in modes:
         m = (measured or {}).get(name) or {}

@@ -25,7 +25,7 @@ from typing import Union
 import msgspec
 
 from shared.errors import PoisonMessage
-from shared.kv.layout import KVHandle
+from shared.kv.layout import KVHandle, KVLayout
 
 
 class _Message(msgspec.Struct, frozen=True, tag_field="kind", omit_defaults=True):
@@ -151,6 +151,19 @@ class DecodeTask(_Message, tag="decode"):
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = []
     route: str = ""
+
+
+class KVPrefetch(_Message, tag="kv_prefetch"):
+    """Prefill → every decode worker (core broadcast), after each early put of a long prompt
+    (``PD_KV_STAGE_DURING_PREFILL``): the prompt's leading full blocks ``block_hashes`` are in
+    the KV store now. A decode worker with a free slot reads the ones it lacks into its prefix
+    cache before the DecodeTask comes (``PD_KV_PREFETCH``), so the hand-off after the first token
+    reads only the last chunk's blocks and the tail. A hint: missing it, or acting on it late,
+    only means reading those blocks at the hand-off as without it."""
+
+    request_id: str
+    layout: KVLayout
+    block_hashes: list[bytes]
 
 
 class SpecStats(msgspec.Struct, frozen=True, array_like=True):
@@ -389,6 +402,7 @@ Message = Union[  # noqa: UP007 (a runtime union for msgspec)
     TokenResend,
     TextResend,
     Heartbeat,
+    KVPrefetch,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -96,6 +96,10 @@ def kv_metrics() -> dict:
         "prefix_query_tokens": Counter(
             "pd_prefix_cache_query_tokens_total", "prompt tokens looked up in the prefix cache", ["stage"]
         ),
+        "prefetch_blocks": Counter(
+            "pd_kv_prefetch_blocks_total",
+            "KV blocks a decode worker read into its prefix cache ahead of their DecodeTask (KVPrefetch)",
+        ),
     }
 
 

@@ -116,6 +116,12 @@ class Protocol:
         return f"{self.namespace}.control.resend"
 
     @property
+    def kv_prefetch(self) -> str:
+        """Core NATS broadcast: KVPrefetch from a prefill worker after each early put of a long
+        prompt's blocks; every decode worker hears it (``PD_KV_PREFETCH``)."""
+        return f"{self.namespace}.control.kv_prefetch"
+
+    @property
     def stream_lost(self) -> str:
         """Core NATS broadcast: WorkQueueLost(stage, stream) when a worker found the
         stage's work-queue stream gone and declared it again: what was queued there is lost,

@@ -66,6 +66,8 @@ class Topology:
             profile's ``kv_store``).
         kv_stage_during_prefill: ``PD_KV_STAGE_DURING_PREFILL``: a prompt prefilled in chunks
             has the full blocks of each chunk but the last put while the rest is prefilled.
+        kv_prefetch: ``PD_KV_PREFETCH``: each such put is announced, and every decode worker with
+            room reads the blocks it lacks into its prefix cache ahead of the DecodeTask.
         roles: per-role engine settings overriding the ones above: ``{"prefill": {"max_num_seqs":
             8, "max_prefill_chunk_tokens": 4096}, "decode": {...}}`` (aggregated workers take
             the ``decode`` entry's: they are the decode pool of an aggregated deployment).
@@ -88,6 +90,7 @@ class Topology:
     max_queue_time_s: float = 0.0
     kv_store: str = ""
     kv_stage_during_prefill: bool = True
+    kv_prefetch: bool = True
     roles: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
@@ -380,7 +383,34 @@ class Simulation:
             return
         seconds = self.store.put(len(new) * bs * bpt)
         self.kv_put_s += seconds
-        self.staged.update(dict.fromkeys(new, self._store_job(now, self._server(src), seconds)))
+        end = self._store_job(now, self._server(src), seconds)
+        self.staged.update(dict.fromkeys(new, end))
+        if self.topo.kv_prefetch:
+            self.push(end + self.hop, self._prefetch, tuple(seq.block_hashes[: seq.num_computed_tokens // bs]))
+
+    def _prefetch(self, now: float, hashes: tuple) -> None:
+        """A KVPrefetch naming a prompt's leading blocks ``hashes`` reached the decode pool
+        (``PD_KV_PREFETCH``): every decode worker with room (the test of ``DecodeWorker._capacity``,
+        as :meth:`_pull` counts it) reads the run it lacks and the store holds (a job on its
+        get server, as a hand-off's read); the engine imports them at its next step boundary
+        (:meth:`SimWorker.prefetched`). Not modelled: a DecodeTask fetched while that read runs
+        waits for it in pdserve; here it reads the blocks again."""
+        bs, bpt = self.p.block_size, self.p.kv_bytes_per_token
+        for w in self.decode:
+            if self._held(w) >= w.max_num_seqs or not w.bm.enable_prefix_caching:
+                continue
+            local = leading_hits(w.bm, hashes)
+            run = self._staged_run(now, hashes[local:])
+            if run == 0:
+                continue
+            seconds = self.store.get(run * bs * bpt)
+            self.kv_get_s += seconds
+            end = self._store_job(now, ("get", self._server(w)), seconds)
+            self.push(end, self._prefetched, (w, hashes[:local], hashes[local:local + run]))
+
+    def _prefetched(self, now: float, arg) -> None:
+        w, keep, blocks = arg
+        w.prefetched(now, keep, blocks)
 
     def _staged_prefix_tokens(self, now: float, hashes: list[bytes], num_tokens: int) -> int:
         """The tokenizer's ``_staged_prefix_tokens``: leading prompt tokens whose blocks the

@@ -110,6 +110,7 @@ class SimWorker:
         self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_prefill_chunk_tokens)
         self.block_size = block_size
         self.inbox: list[tuple[str, SimSeq]] = []  # ("new" | "kv", seq) taken between steps
+        self.prefetches: list[tuple[tuple, tuple]] = []  # (keep, blocks) read ahead (PD_KV_PREFETCH)
         self.import_s = 0.0  # engine-thread seconds spent importing loaded KV
         self.pending = 0  # work items this worker has fetched that are still on their way (hop, KV get)
         self.max_num_seqs = max_num_seqs
@@ -146,6 +147,8 @@ class SimWorker:
             self.cut(now)
 
     def _take_inbox(self) -> None:
+        if self.prefetches:
+            self._take_prefetches()
         for kind, seq in self.inbox:
             if kind == "new":
                 if seq.store_hits:
@@ -169,6 +172,26 @@ class SimWorker:
             else:  # no room to load: recompute (the engine's fallback)
                 self.sched.add(seq)
         self.inbox.clear()
+
+    def prefetched(self, now: float, keep: tuple, blocks: tuple) -> None:
+        """Blocks read ahead of their DecodeTask (``PD_KV_PREFETCH``) become free cached blocks
+        of this worker's prefix cache on its engine thread (``LLMEngine.import_cached_blocks``):
+        at once when the engine is idle, else at the next step boundary, that step then
+        starting later by the copy (:meth:`CostModel.kv_import`)."""
+        self.prefetches.append((keep, blocks))
+        if not self.busy:
+            self._take_prefetches(charge=False)
+        else:
+            self.cut(now)  # a segment of steps ends at the step boundary where the import runs
+
+    def _take_prefetches(self, charge: bool = True) -> None:
+        for keep, blocks in self.prefetches:
+            imported = self.bm.import_blocks(blocks, keep)
+            imp = self.cost.kv_import(imported * self.block_size * self.sim.p.kv_bytes_per_token)
+            self.import_s += imp
+            if charge:
+                self.extra_s += imp
+        self.prefetches.clear()
 
     def _import_store_hits(self, seq: SimSeq) -> None:
         """``ModelWorker.import_store_hits``: the leading blocks of a new prompt that another

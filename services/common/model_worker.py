@@ -153,6 +153,16 @@ class ModelWorker(Worker):
         if not self.settings.enable_prefix_caching:
             return 0
         hashes = block_hashes[: num_reusable_blocks(num_prompt_tokens, self.settings.block_size)]
+        imported = await self.import_from_store(request_id, hashes, "store_prefix_lookup_failed")
+        self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "store").inc(imported * self.settings.block_size)
+        return imported * self.settings.block_size
+
+    async def import_from_store(self, request_id: str, hashes: list[bytes], failure_event: str) -> int:
+        """Read the leading run of ``hashes`` (a prompt's full blocks, in order) that this
+        worker's prefix cache lacks and the KV store holds, and put it into the prefix cache
+        (the read in a thread, the copy into the pool on the engine thread, between steps).
+        Stops at the first block the store lacks or when no pool block is free. Any failure is
+        logged as ``failure_event`` and imports nothing. Returns the number of blocks imported."""
         num_local = self.engine.cached_block_hashes(hashes)
         wanted = hashes[num_local:]
         if not wanted:
@@ -172,9 +182,8 @@ class ModelWorker(Worker):
             imported = await self.engine_loop.call(
                 lambda e: e.import_cached_blocks(wanted[:run], data[:run], keep=hashes[:num_local]))
         except Exception as exc:
-            self.log.warning("store_prefix_lookup_failed", request_id=request_id, error=str(exc))
+            self.log.warning(failure_event, request_id=request_id, error=str(exc))
             return 0
         self.kv_metrics["get_bytes"].inc(sum(len(d) for d in data[:run]))
         self.kv_metrics["get_seconds"].inc(time.perf_counter() - started)
-        self.kv_metrics["prefix_hit_tokens"].labels(self.stage, "store").inc(imported * self.settings.block_size)
-        return imported * self.settings.block_size
+        return imported

@@ -9,7 +9,9 @@ Life cycle of a request here:
    recomputed (recompute from prompt + tokens already sent), so the client's stream goes on
    with nothing repeated and nothing missing;
 3. load its prompt KV: full blocks this worker already holds in its prefix cache are not
-   fetched; the others and the request-scoped tail come from the KV store in one batched
+   fetched (among them those read ahead of the task: a long prompt's prefill announces each
+   chunk's blocks as it stages them, a KVPrefetch, and a decode worker with a free slot reads
+   them into its prefix cache while the prompt is still being prefilled, ``PD_KV_PREFETCH``); the others and the request-scoped tail come from the KV store in one batched
    read; a layout mismatch, a missing block or an unreachable store means recompute from
    there (``PD_KV_FAILURE_POLICY=recompute``) or a clean error (``fail``);
 4. admit it into the continuous batch; delete the tail from the store (nothing
@@ -45,6 +47,7 @@ from shared.kv import block_key
 from shared.messages import (
     Abort,
     DecodeTask,
+    KVPrefetch,
     ResumeQuery,
     ResumeState,
     SpecStats,
@@ -92,11 +95,19 @@ class DecodeWorker(ModelWorker):
         self.streams = SentStreams(MAX_FINISHED_STREAMS, finished_ttl_s=float("inf"))
         self.checking_gateway: set[str] = set()  # requests whose gateway is being asked about
         self.gateway_checks: set[asyncio.Task] = set()
+        # KVPrefetch hints not acted on yet, the latest per request (each names every block
+        # staged so far), and the request whose blocks are being read now with its end
+        self.prefetch_hints: dict[str, KVPrefetch] = {}
+        self.prefetch_wake = asyncio.Event()
+        self.prefetching: tuple[str, asyncio.Future] | None = None
 
     async def serve(self) -> None:
         await super().serve()
         await self.bus.subscribe(self.protocol.decode_control(self.instance_id), self._on_control_message)
         await self.bus.subscribe(self.protocol.resend, self._on_resend_broadcast)
+        if self.settings.kv_prefetch and self.settings.enable_prefix_caching:
+            await self.bus.subscribe(self.protocol.kv_prefetch, self._on_kv_prefetch)
+            self.spawn(self._prefetch_loop(), "kv-prefetch")
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
         self.spawn(self.consumer.run(), "consume")
         self.spawn(self.consumer.keepalive(), "keepalive")
@@ -164,6 +175,7 @@ class DecodeWorker(ModelWorker):
 
     async def on_abort(self, abort: Abort) -> None:
         rid = abort.request_id
+        self.prefetch_hints.pop(rid, None)
         req = self.active.get(rid)
         if req is None:
             return
@@ -207,6 +219,50 @@ class DecodeWorker(ModelWorker):
         spec = StreamSpec.of(task.meta, task.sampling, len(task.prompt_token_ids), task.num_cached_tokens)
         self.post(stream.target, TokenChunk(request_id=message.request_id, index=0, token_ids=list(stream.items()),
                                             spec=spec, finish_reason=stream.finish_reason, worker=self.instance_id))
+
+    # --- reading a long prompt's KV ahead of its DecodeTask ----------------------------------
+    async def _on_kv_prefetch(self, message) -> None:
+        """A prefill worker staged more of a prompt's leading blocks: note it (the latest hint
+        per request replaces the earlier, which names fewer blocks) for :meth:`_prefetch_loop`."""
+        if not isinstance(message, KVPrefetch) or message.request_id in self.active:
+            return  # the DecodeTask came first: its own read takes the blocks
+        self.prefetch_hints[message.request_id] = message
+        self.prefetch_wake.set()
+
+    async def _prefetch_loop(self) -> None:
+        """Act on KVPrefetch hints one at a time, oldest request first: while this worker has a
+        free slot (:meth:`_capacity`: it could take the DecodeTask), read the blocks its prefix
+        cache lacks from the store into it (:meth:`import_from_store`: the read in a thread, the
+        copy on the engine thread between steps, one chunk's blocks at a time rather than the
+        whole prompt's at the hand-off). Blocks read for a request another worker takes stay as
+        evictable prefix cache. This is Mooncake's and Splitwise's overlap of the KV transfer
+        with prefill (Qin et al., FAST 2025; Patel et al., ISCA 2024) carried to the reading side,
+        chunk by chunk."""
+        while True:
+            await self.prefetch_wake.wait()
+            self.prefetch_wake.clear()
+            while self.prefetch_hints:
+                rid = next(iter(self.prefetch_hints))
+                hint = self.prefetch_hints.pop(rid)
+                if rid in self.active or hint.layout != self.engine.layout or self._capacity() <= 0:
+                    continue
+                done = asyncio.get_running_loop().create_future()
+                self.prefetching = (rid, done)
+                try:
+                    with span("decode.kv_prefetch", request_id=rid, blocks=len(hint.block_hashes)):
+                        n = await self.import_from_store(rid, hint.block_hashes, "kv_prefetch_failed")
+                    self.kv_metrics["prefetch_blocks"].inc(n)
+                finally:
+                    self.prefetching = None
+                    done.set_result(None)
+
+    async def _after_prefetch(self, rid: str) -> None:
+        """The DecodeTask of ``rid`` came: drop its pending hint, and if its blocks are being
+        read ahead right now, let that read finish (its blocks are then local hits, not read
+        twice)."""
+        self.prefetch_hints.pop(rid, None)
+        if self.prefetching is not None and self.prefetching[0] == rid:
+            await asyncio.shield(self.prefetching[1])
 
     # --- peers ------------------------------------------------------------------------------
     def _postfilter_alive(self, inbox: str) -> bool:
@@ -361,6 +417,7 @@ class DecodeWorker(ModelWorker):
                 req.postfilter = self._new_postfilter(rid)  # a local prefill: this worker opens the stream
             if not output_ids:
                 self.waiting_first_token[rid] = meta
+            await self._after_prefetch(rid)
             with span("decode.kv_get", decode_span.headers, has_kv=task.kv is not None):
                 try:
                     blocks, tail = await wait_within(self._fetch_kv(task), meta.deadline_at,

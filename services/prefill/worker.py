@@ -13,7 +13,9 @@ Life cycle of a request here:
    content-addressed keys (skipped when the store already has them, leases renewed), the
    partial tail under a request-scoped key. A prompt prefilled in several chunks has its full
    blocks staged chunk by chunk while the rest is computed (``PD_KV_STAGE_DURING_PREFILL``,
-   :class:`EarlyStage`), so this step writes only the last chunk's blocks and the tail; an
+   :class:`EarlyStage`), so this step writes only the last chunk's blocks and the tail; each
+   early put is announced to the decode workers (a KVPrefetch broadcast, ``PD_KV_PREFETCH``),
+   which read those blocks ahead of the DecodeTask; an
    aborted prompt leaves its early blocks to their lease, as any staged block (they are the
    store's prefix cache);
    Every staged handle is recorded in the KV ledger (``shared/kv/ledger.py``: owner, lease,
@@ -48,6 +50,7 @@ from shared.kv.ledger import KVLedger, ShmKVLedger
 from shared.messages import (
     Abort,
     DecodeTask,
+    KVPrefetch,
     PrefillTask,
     RequestMeta,
     StreamSpec,
@@ -77,6 +80,8 @@ class EarlyStage:
         failed: an early put failed: later chunks keep their buffers for the hand-off instead
             of waiting on the store again (an unreachable store costs one timeout, not one per
             chunk).
+        block_hashes: the prompt's full blocks' hashes (its PrefillTask's), from which each
+            successful put's KVPrefetch names the leading run staged so far.
     """
 
     staged: set[int] = field(default_factory=set)
@@ -85,6 +90,7 @@ class EarlyStage:
     puts: asyncio.Future | None = None
     headers: dict[str, str] | None = None
     failed: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -276,6 +282,11 @@ class PrefillWorker(ModelWorker):
             rec.bytes_written += written
             self.kv_metrics["put_bytes"].inc(written)
             self.kv_metrics["put_seconds"].inc(time.perf_counter() - started)
+            if self.settings.kv_prefetch and rec.block_hashes and not _failed(fut):
+                # the leading run up to this chunk's last block: the decode side reads what it lacks
+                self.post(self.protocol.kv_prefetch, KVPrefetch(
+                    request_id=request_id, layout=self.engine.layout,
+                    block_hashes=rec.block_hashes[: first + len(blocks)]))
 
         rec.puts = asyncio.ensure_future(put())
 
@@ -298,7 +309,7 @@ class PrefillWorker(ModelWorker):
             raise ServiceUnavailable("no postfilter worker is alive")
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        early = self.early[rid] = EarlyStage()
+        early = self.early[rid] = EarlyStage(block_hashes=task.block_hashes)
         self.waiting_first_token[rid] = meta
         try:
             with span("prefill", meta.headers, request_id=rid, prompt_tokens=len(task.prompt_token_ids)) as carry:

@@ -229,7 +229,10 @@ def test_early_puts_stop_at_the_first_store_failure_and_skip_aborted_prompts(tmp
     def worker(store):
         w = types.SimpleNamespace(early={}, pending={}, engine=types.SimpleNamespace(layout=layout),
                                   stager=KVStager(store, 30.0, 30.0), log=get_logger("test"),
-                                  kv_metrics={"put_bytes": Counter(), "put_seconds": Counter()})
+                                  kv_metrics={"put_bytes": Counter(), "put_seconds": Counter()},
+                                  settings=types.SimpleNamespace(kv_prefetch=True),
+                                  protocol=types.SimpleNamespace(kv_prefetch="pd.control.kv_prefetch"), posted=[])
+        w.post = lambda subject, message: w.posted.append((subject, message))
         w._stage_early = types.MethodType(PrefillWorker._stage_early, w)
         return w
 
@@ -248,22 +251,26 @@ def test_early_puts_stop_at_the_first_store_failure_and_skip_aborted_prompts(tmp
         store = ShmKVStore(tmp_path / "up")
         w = worker(store)
         fut = w.pending["f"] = asyncio.get_running_loop().create_future()
-        w.early["f"] = EarlyStage()
+        w.early["f"] = EarlyStage(block_hashes=hashes[:5])
         w._stage_early("f", 0, hashes[:2], bufs[:2])
         w._stage_early("f", 2, hashes[2:4], bufs[2:4])
         fut.set_result("first token")
         await w.early["f"].puts
         assert w.early["f"].staged == {0, 1, 2, 3}
+        # each put announced to the decode workers (PD_KV_PREFETCH): the leading run staged so far
+        assert [(s, m.request_id, m.block_hashes) for s, m in w.posted] == [
+            ("pd.control.kv_prefetch", "f", hashes[:2]), ("pd.control.kv_prefetch", "f", hashes[:4])]
         store.clear()
 
         w = worker(store)
         fut = w.pending["a"] = asyncio.get_running_loop().create_future()
-        w.early["a"] = EarlyStage()
+        w.early["a"] = EarlyStage(block_hashes=hashes[:5])
         w._stage_early("a", 0, hashes[:2], bufs[:2])
         await w.early["a"].puts
         fut.set_exception(RuntimeError("aborted"))
         fut.exception()
         w._stage_early("a", 2, hashes[2:4], bufs[2:4])
         assert w.early["a"].staged == {0, 1} and store.staged_bytes() == 128
+        assert [m.block_hashes for _, m in w.posted] == [hashes[:2]]  # nothing announced after the abort
 
     asyncio.run(scenario())

@@ -59,21 +59,25 @@ class DroppingBus(MemoryBus):
 
 async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1, *, queued_s_before: float = 0.0,
                        gateway_cut_s: float = 0.0, decode_overrides: dict | None = None,
-                       prompt: str = "the lost message") -> tuple[str, DroppingBus]:
+                       prompt: str = "the lost message", overrides: dict | None = None,
+                       on_started=None) -> tuple[str, DroppingBus]:
     """One greedy request through a fresh in-process pipeline; (its text, the bus: what it
     dropped, and ``bus.workers``). ``queued_s_before``: the request was created that long before
     (queued before the workers started: every stage checks it with the gateway, as redelivered
     work); ``gateway_cut_s``: the gateway is cut off from the workers that long from its
-    submission; ``decode_overrides``: settings of the decode worker alone (another host's)."""
+    submission; ``decode_overrides``: settings of the decode worker alone (another host's);
+    ``overrides``: settings of every stage; ``on_started(workers)``: called once they run."""
     settings = Settings.from_env({}, model=model, namespace=f"lost{uuid.uuid4().hex[:8]}", instance_id="",
                                  heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, kv_store="shm",
-                                 kv_cache_memory_bytes=16 << 20, dtype="float32")
+                                 kv_cache_memory_bytes=16 << 20, dtype="float32", **(overrides or {}))
     bus = DroppingBus(drop, budget)
     workers = [cls(settings.replace(**decode_overrides) if cls is DecodeWorker and decode_overrides else settings,
                    bus=bus) for cls in (TokenizerWorker, PrefillWorker, DecodeWorker, PostfilterWorker)]
     bus.workers = workers
     for w in workers:
         await w.start()
+    if on_started is not None:
+        on_started(workers)
     client = PipelineClient(settings, bus=bus)
     await client.start()
     try:
