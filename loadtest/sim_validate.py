@@ -37,7 +37,7 @@ from sim.profile import Profile
 from sim.simulator import Topology, simulate
 
 
-def sim_topologies(crossover: int, cores: int, kv_prefetch: bool = True) -> dict[str, Topology]:
+def sim_topologies(crossover: int, cores: int, kv_prefetch: str = "auto") -> dict[str, Topology]:
     """The simulator's twin of each ``bench_modes.mode_plans`` deployment; ``kv_prefetch``: its
     decode workers read early-staged KV ahead (``PD_KV_PREFETCH``; see :func:`measured_kv_prefetch`)."""
     common = dict(max_num_seqs=32, host_cores=cores, workers_per_host=2, local_max_tokens=crossover,
@@ -53,12 +53,18 @@ def sim_topologies(crossover: int, cores: int, kv_prefetch: bool = True) -> dict
     }
 
 
-def measured_kv_prefetch(measured: dict | None) -> bool:
-    """Whether the deployments of measured runs (``measured.json``: a summary dict per run or
-    mode) read early-staged KV ahead of the DecodeTask: each run records ``kv_prefetch`` (its
-    ``PD_KV_PREFETCH``) since that read exists; runs kept from before have no record and had none."""
-    runs = [v for v in (measured or {}).values() if isinstance(v, dict)]
-    return bool(runs) and all(v.get("kv_prefetch", False) for v in runs)
+def measured_kv_prefetch(measured: dict | None) -> str:
+    """``PD_KV_PREFETCH`` of the deployments of measured runs (``measured.json``: a summary dict
+    per run or mode): each run records ``kv_prefetch`` since that read exists; runs kept from
+    before have no record and had no such read (``off``).
+
+    Raises:
+        ValueError: the runs recorded different settings (one twin topology cannot replay them).
+    """
+    seen = {str(v.get("kv_prefetch", "off")) for v in (measured or {}).values() if isinstance(v, dict)}
+    if len(seen) > 1:
+        raise ValueError(f"measured runs with different PD_KV_PREFETCH settings: {sorted(seen)}")
+    return seen.pop() if seen else "off"
 
 
 def keep_logs(src: Path, dest: Path, say=print) -> None:

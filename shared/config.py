@@ -229,12 +229,14 @@ class Settings:
         "last chunk's blocks and the tail.",
         default=True,
     )
-    kv_prefetch: bool = _doc(
+    kv_prefetch: str = _doc(
         "After each such early put the prefill worker tells the decode workers (a core NATS "
-        "broadcast), and each decode worker with a free slot reads those blocks into its prefix "
+        "broadcast), and a decode worker with a free slot reads those blocks into its prefix "
         "cache before the request's DecodeTask comes: the hand-off then reads only the last chunk "
-        "and the tail. With N decode workers up to N read each long prompt's blocks.",
-        default=True,
+        "and the tail. auto: only while it is the one live decode worker (the one that will take "
+        "the task); all: every decode worker with a free slot (N workers read each long prompt, "
+        "N - 1 of them for nothing); off.",
+        default="auto",
     )
     kv_failure_policy: str = _doc(
         "When the KV store cannot be written or read: recompute (decode recomputes the prompt) "

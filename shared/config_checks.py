@@ -18,6 +18,7 @@ class SettingsError(ValueError):
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "kv_failure_policy": ("recompute", "fail"),
+    "kv_prefetch": ("auto", "all", "off"),
     "kv_store": ("shm", "redis"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "weights": ("auto", "float", "int8"),

@@ -66,8 +66,9 @@ class Topology:
             profile's ``kv_store``).
         kv_stage_during_prefill: ``PD_KV_STAGE_DURING_PREFILL``: a prompt prefilled in chunks
             has the full blocks of each chunk but the last put while the rest is prefilled.
-        kv_prefetch: ``PD_KV_PREFETCH``: each such put is announced, and every decode worker with
-            room reads the blocks it lacks into its prefix cache ahead of the DecodeTask.
+        kv_prefetch: ``PD_KV_PREFETCH``: each such put is announced, and a decode worker with room
+            reads the blocks it lacks into its prefix cache ahead of the DecodeTask: ``auto``
+            where the decode pool is one worker, ``all`` every decode worker, ``off``.
         roles: per-role engine settings overriding the ones above: ``{"prefill": {"max_num_seqs":
             8, "max_prefill_chunk_tokens": 4096}, "decode": {...}}`` (aggregated workers take
             the ``decode`` entry's: they are the decode pool of an aggregated deployment).
@@ -90,7 +91,7 @@ class Topology:
     max_queue_time_s: float = 0.0
     kv_store: str = ""
     kv_stage_during_prefill: bool = True
-    kv_prefetch: bool = True
+    kv_prefetch: str = "auto"
     roles: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
@@ -385,7 +386,8 @@ class Simulation:
         self.kv_put_s += seconds
         end = self._store_job(now, self._server(src), seconds)
         self.staged.update(dict.fromkeys(new, end))
-        if self.topo.kv_prefetch:
+        prefetch = self.topo.kv_prefetch
+        if prefetch == "all" or prefetch == "auto" and len(self.decode) == 1:
             self.push(end + self.hop, self._prefetch, tuple(seq.block_hashes[: seq.num_computed_tokens // bs]))
 
     def _prefetch(self, now: float, hashes: tuple) -> None:

@@ -11,9 +11,10 @@ Life cycle of a request here:
 3. load its prompt KV: full blocks this worker already holds in its prefix cache are not
    fetched (among them those read ahead of the task: a long prompt's prefill announces each
    chunk's blocks as it stages them, a KVPrefetch, and a decode worker with a free slot reads
-   them into its prefix cache while the prompt is still being prefilled, ``PD_KV_PREFETCH``); the others and the request-scoped tail come from the KV store in one batched
-   read; a layout mismatch, a missing block or an unreachable store means recompute from
-   there (``PD_KV_FAILURE_POLICY=recompute``) or a clean error (``fail``);
+   them into its prefix cache while the prompt is still being prefilled, ``PD_KV_PREFETCH``);
+   the others and the request-scoped tail come from the KV store in one batched read; a
+   layout mismatch, a missing block or an unreachable store means recompute from there
+   (``PD_KV_FAILURE_POLICY=recompute``) or a clean error (``fail``);
 4. admit it into the continuous batch; delete the tail from the store (nothing
    request-scoped stays staged once decode holds the KV); the KV ledger's record of the
    handle goes ``imported`` (owned by this worker) when read, and is released with the tail;
@@ -105,7 +106,7 @@ class DecodeWorker(ModelWorker):
         await super().serve()
         await self.bus.subscribe(self.protocol.decode_control(self.instance_id), self._on_control_message)
         await self.bus.subscribe(self.protocol.resend, self._on_resend_broadcast)
-        if self.settings.kv_prefetch and self.settings.enable_prefix_caching:
+        if self.settings.kv_prefetch != "off" and self.settings.enable_prefix_caching:
             await self.bus.subscribe(self.protocol.kv_prefetch, self._on_kv_prefetch)
             self.spawn(self._prefetch_loop(), "kv-prefetch")
         self.consumer = PullConsumer(self, self.protocol.decode, DecodeTask, self.handle, capacity=self._capacity)
@@ -229,9 +230,23 @@ class DecodeWorker(ModelWorker):
         self.prefetch_hints[message.request_id] = message
         self.prefetch_wake.set()
 
+    def _reads_ahead(self) -> bool:
+        """Whether this worker acts on KVPrefetch hints now: ``PD_KV_PREFETCH=all``, or ``auto``
+        while it is the only live decode worker (its own heartbeats count it; none heard yet
+        counts as alone). With more, the work queue hands the DecodeTask to whichever fetches
+        first, and every other worker's read and engine-thread copy would be for nothing: the
+        simulator's sweep on a profile whose import costs engine time (``h200-llama2-7b``, the
+        azure-code mix, 6 prefill and 2 decode workers, load 0.6 and 0.95) put the split's ITL
+        p90 at 4.8-5.7 s with every decode worker reading against 1.2-2.0 s without
+        (docs/decisions.md, "Reading a long prompt's KV ahead")."""
+        if self.settings.kv_prefetch == "all":
+            return True
+        return len(self.registry.live("decode", ready_only=False)) <= 1
+
     async def _prefetch_loop(self) -> None:
-        """Act on KVPrefetch hints one at a time, oldest request first: while this worker has a
-        free slot (:meth:`_capacity`: it could take the DecodeTask), read the blocks its prefix
+        """Act on KVPrefetch hints one at a time, oldest request first: while this worker reads
+        ahead (:meth:`_reads_ahead`) and has a free slot (:meth:`_capacity`: it could take the
+        DecodeTask), read the blocks its prefix
         cache lacks from the store into it (:meth:`import_from_store`: the read in a thread, the
         copy on the engine thread between steps, one chunk's blocks at a time rather than the
         whole prompt's at the hand-off). Blocks read for a request another worker takes stay as
@@ -244,7 +259,8 @@ class DecodeWorker(ModelWorker):
             while self.prefetch_hints:
                 rid = next(iter(self.prefetch_hints))
                 hint = self.prefetch_hints.pop(rid)
-                if rid in self.active or hint.layout != self.engine.layout or self._capacity() <= 0:
+                if (rid in self.active or hint.layout != self.engine.layout or self._capacity() <= 0
+                        or not self._reads_ahead()):
                     continue
                 done = asyncio.get_running_loop().create_future()
                 self.prefetching = (rid, done)
@@ -252,6 +268,8 @@ class DecodeWorker(ModelWorker):
                     with span("decode.kv_prefetch", request_id=rid, blocks=len(hint.block_hashes)):
                         n = await self.import_from_store(rid, hint.block_hashes, "kv_prefetch_failed")
                     self.kv_metrics["prefetch_blocks"].inc(n)
+                except Exception as exc:  # a hint is never worth this loop: the hand-off reads instead
+                    self.log.warning("kv_prefetch_failed", request_id=rid, error=repr(exc))
                 finally:
                     self.prefetching = None
                     done.set_result(None)

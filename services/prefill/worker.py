@@ -282,7 +282,7 @@ class PrefillWorker(ModelWorker):
             rec.bytes_written += written
             self.kv_metrics["put_bytes"].inc(written)
             self.kv_metrics["put_seconds"].inc(time.perf_counter() - started)
-            if self.settings.kv_prefetch and rec.block_hashes and not _failed(fut):
+            if self.settings.kv_prefetch != "off" and rec.block_hashes and not _failed(fut):
                 # the leading run up to this chunk's last block: the decode side reads what it lacks
                 self.post(self.protocol.kv_prefetch, KVPrefetch(
                     request_id=request_id, layout=self.engine.layout,

@@ -14,7 +14,7 @@ from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
 from shared.kv import block_key
 from shared.kv.layout import KVLayout
-from shared.messages import KVPrefetch
+from shared.messages import Heartbeat, KVPrefetch
 from tests.unit.test_lost_messages import run_pipeline
 
 pytestmark = pytest.mark.timeout(180)
@@ -72,19 +72,20 @@ def test_the_hand_off_reads_only_what_the_last_chunk_added(tiny_model_dir):
             hints.append(message)
         return False
 
-    runs = {}
-    for prefetch in (False, True):
+    runs, announced = {}, {}
+    for prefetch in ("off", "auto"):
         holder = {}
         text, _ = asyncio.run(run_pipeline(
             str(tiny_model_dir), observe, prompt=PROMPT, overrides={**CHUNKED, "kv_prefetch": prefetch},
             on_started=lambda ws, h=holder: h.update(watch(ws))))
         runs[prefetch] = (text, holder)
-    assert runs[True][0] == runs[False][0]  # the same KV, read earlier: the same tokens
+        announced[prefetch] = len(hints)
+    assert runs["auto"][0] == runs["off"][0]  # the same KV, read earlier: the same tokens
 
     # with prefetching off nothing is announced, and the hand-off reads every full block
-    off = runs[False][1]
-    assert not off["prefetched"]
-    on = runs[True][1]
+    off = runs["off"][1]
+    assert announced["off"] == 0 and not off["prefetched"]
+    on = runs["auto"][1]
     hashes_seen = [len(h.block_hashes) for h in hints]
     assert len(hashes_seen) >= 2 and hashes_seen == sorted(hashes_seen), hashes_seen  # one per early put, growing
     full = hints[-1].block_hashes
@@ -101,7 +102,8 @@ def test_the_hand_off_reads_only_what_the_last_chunk_added(tiny_model_dir):
 
 def test_a_hint_is_ignored_without_a_free_slot_or_with_another_layout(tiny_model_dir):
     """A decode worker that could not take the request (no free slot), or whose pool has another
-    layout, reads nothing for a hint; a hint for a request it already runs is not even kept."""
+    layout, reads nothing for a hint; nor, with ``PD_KV_PREFETCH=auto``, one that hears another
+    live decode worker (the task may go there); with ``all`` it reads."""
 
     async def scenario():
         from shared.config import Settings
@@ -138,6 +140,24 @@ def test_a_hint_is_ignored_without_a_free_slot_or_with_another_layout(tiny_model
                     break
                 await asyncio.sleep(0.01)
             assert calls == ["ok"]
+
+            # another decode worker is alive: auto leaves the hint, all reads it
+            await bus.publish(w.protocol.heartbeat_of("decode"), Heartbeat(
+                stage="decode", instance_id="decode-other", model=w.model_name, sent_at=time.time()))
+            await asyncio.sleep(0.1)
+            assert len(w.registry.live("decode", ready_only=False)) >= 2
+            await bus.publish(w.protocol.kv_prefetch, KVPrefetch(request_id="two", layout=layout,
+                                                                 block_hashes=[b"w" * 16]))
+            await asyncio.sleep(0.3)
+            assert calls == ["ok"]
+            w.settings = w.settings.replace(kv_prefetch="all")
+            await bus.publish(w.protocol.kv_prefetch, KVPrefetch(request_id="all", layout=layout,
+                                                                 block_hashes=[b"v" * 16]))
+            for _ in range(100):
+                if len(calls) > 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert calls == ["ok", "all"]
         finally:
             await w.stop()
             await bus.close()
