@@ -164,6 +164,7 @@ class KVPrefetch(_Message, tag="kv_prefetch"):
     request_id: str
     layout: KVLayout
     block_hashes: list[bytes]
+    headers: dict[str, str] = {}  # the request's trace context: the read's span joins its trace
 
 
 class SpecStats(msgspec.Struct, frozen=True, array_like=True):

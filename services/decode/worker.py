@@ -265,7 +265,7 @@ class DecodeWorker(ModelWorker):
                 done = asyncio.get_running_loop().create_future()
                 self.prefetching = (rid, done)
                 try:
-                    with span("decode.kv_prefetch", request_id=rid, blocks=len(hint.block_hashes)):
+                    with span("decode.kv_prefetch", hint.headers, request_id=rid, blocks=len(hint.block_hashes)):
                         n = await self.import_from_store(rid, hint.block_hashes, "kv_prefetch_failed")
                     self.kv_metrics["prefetch_blocks"].inc(n)
                 except Exception as exc:  # a hint is never worth this loop: the hand-off reads instead

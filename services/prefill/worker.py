@@ -286,7 +286,7 @@ class PrefillWorker(ModelWorker):
                 # the leading run up to this chunk's last block: the decode side reads what it lacks
                 self.post(self.protocol.kv_prefetch, KVPrefetch(
                     request_id=request_id, layout=self.engine.layout,
-                    block_hashes=rec.block_hashes[: first + len(blocks)]))
+                    block_hashes=rec.block_hashes[: first + len(blocks)], headers=rec.headers or {}))
 
         rec.puts = asyncio.ensure_future(put())
 
