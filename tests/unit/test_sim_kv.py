@@ -217,3 +217,25 @@ def test_a_segment_delayed_by_an_import_can_be_cut_before_it_begins():
     assert r.finished == 3 and r.kv["import_s"] == pytest.approx(3 * 20.0)
     # the two later requests' tokens wait for both imports; the first's for all three
     assert min(r.last[1:]) > 2 * 20.0 and r.last[0] > 3 * 20.0
+
+
+def test_reading_ahead_leaves_the_hand_off_the_last_chunk():
+    """``PD_KV_PREFETCH``: a 2,048-token prompt prefilled in chunks of 512 on one prefill worker,
+    its blocks staged chunk by chunk; the one decode worker reads each chunk's blocks as they are
+    announced (idle: imported at once), so its hand-off reads the last chunk's 512 tokens, and the
+    second token comes sooner by the read of the other 1,536. With two decode workers ``auto``
+    reads nothing ahead (the task may go to either); ``all`` has both read."""
+    get = 1e-7
+    p = _profile(kv_stores={"shm": {"put_fixed_s": 0.0, "put_s_per_byte": 1e-9, "get_fixed_s": 0.0,
+                                    "get_s_per_byte": get, "source": "test"}},
+                 kv_import_fixed_s=0.0, kv_import_s_per_byte=0.0)
+    req = [trace.SimRequest(0, 0.0, 2048, 2)]
+    topo = dict(mode="disaggregated", prefill=1, max_prefill_chunk_tokens=512, kv_store="shm")
+    runs = {k: Simulation(Topology(decode=1, kv_prefetch=k, **topo), p).run(req) for k in ("off", "auto")}
+    saved = 1536 * p.kv_bytes_per_token * get
+    assert runs["off"].last[0] - runs["auto"].last[0] == pytest.approx(saved, rel=0.02)
+    assert runs["auto"].first == runs["off"].first  # the first token is prefill's either way
+    assert runs["auto"].kv["get_s"] == pytest.approx(runs["off"].kv["get_s"], rel=1e-6)  # the same bytes, read earlier
+    two = {k: Simulation(Topology(decode=2, kv_prefetch=k, **topo), p).run(req) for k in ("off", "auto", "all")}
+    assert two["auto"].last == two["off"].last and two["auto"].kv["get_s"] == two["off"].kv["get_s"]
+    assert two["all"].kv["get_s"] == pytest.approx(two["off"].kv["get_s"] + saved, rel=1e-6)  # the other worker's read
