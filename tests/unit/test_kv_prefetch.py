@@ -61,7 +61,8 @@ def watch(workers, step_delay_s: float = 0.15) -> dict:
     return seen
 
 
-def test_the_hand_off_reads_only_what_the_last_chunk_added(tiny_model_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: PD_DTYPE=auto on an AVX512-BF16 / AMX CPU
+def test_the_hand_off_reads_only_what_the_last_chunk_added(tiny_model_dir, dtype):
     """Early puts are announced with the leading run staged so far; the decode worker reads
     those blocks ahead; at the hand-off it reads the blocks it still lacks and the tail, and
     the text is the one the same request gives with prefetching off."""
@@ -76,7 +77,7 @@ def test_the_hand_off_reads_only_what_the_last_chunk_added(tiny_model_dir):
     for prefetch in ("off", "auto"):
         holder = {}
         text, _ = asyncio.run(run_pipeline(
-            str(tiny_model_dir), observe, prompt=PROMPT, overrides={**CHUNKED, "kv_prefetch": prefetch},
+            str(tiny_model_dir), observe, prompt=PROMPT, overrides={**CHUNKED, "dtype": dtype, "kv_prefetch": prefetch},
             on_started=lambda ws, h=holder: h.update(watch(ws))))
         runs[prefetch] = (text, holder)
         announced[prefetch] = len(hints)

@@ -67,9 +67,9 @@ async def run_pipeline(model: str, drop=lambda s, m: False, budget: int = 1, *, 
     work); ``gateway_cut_s``: the gateway is cut off from the workers that long from its
     submission; ``decode_overrides``: settings of the decode worker alone (another host's);
     ``overrides``: settings of every stage; ``on_started(workers)``: called once they run."""
-    settings = Settings.from_env({}, model=model, namespace=f"lost{uuid.uuid4().hex[:8]}", instance_id="",
-                                 heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, kv_store="shm",
-                                 kv_cache_memory_bytes=16 << 20, dtype="float32", **(overrides or {}))
+    fields = dict(model=model, namespace=f"lost{uuid.uuid4().hex[:8]}", instance_id="", heartbeat_interval_s=0.2,
+                  heartbeat_timeout_s=2.0, kv_store="shm", kv_cache_memory_bytes=16 << 20, dtype="float32")
+    settings = Settings.from_env({}, **{**fields, **(overrides or {})})
     bus = DroppingBus(drop, budget)
     workers = [cls(settings.replace(**decode_overrides) if cls is DecodeWorker and decode_overrides else settings,
                    bus=bus) for cls in (TokenizerWorker, PrefillWorker, DecodeWorker, PostfilterWorker)]
