@@ -66,6 +66,13 @@ def is_retryable(exc: BaseException) -> bool:
         isinstance(exc, nats.js.errors.APIError) and exc.err_code == DUPLICATE_IN_PROCESS)
 
 
+def is_retryable_declaration(exc: BaseException) -> bool:
+    """Whether a failed queue declaration may succeed when asked again: what
+    :func:`is_retryable` says, and "not found" answers (a stream's assignment not yet known to
+    the node that answered, during a meta-leader election)."""
+    return is_retryable(exc) or isinstance(exc, NotFoundError)
+
+
 #: How long a one-shot client waits for its first connection to NATS.
 CONNECT_DEADLINE_S = 5.0
 
@@ -267,9 +274,17 @@ class NatsBus(Bus):
 
     async def ensure_queues(self, queues: Iterable[WorkQueue]) -> None:
         """Declare the queues; JetStream not answering yet (a cluster electing its meta leader,
-        a node restarting) is waited for, up to ``PUBLISH_RETRY_S``."""
+        a node restarting) is waited for, up to ``PUBLISH_RETRY_S``.
+
+        A "not found" is waited for too: while a cluster's meta leader is being elected, a node
+        can answer a stream or consumer lookup (or the consumer's creation) with "stream not
+        found" (10059) for a stream that exists; declaring again once a leader answers finds it.
+
+        Raises:
+            nats.js.errors.Error: JetStream still refused the declaration after ``PUBLISH_RETRY_S``.
+        """
         for queue in queues:
-            async for attempt in AsyncRetrying(retry=retry_if_exception(is_retryable),
+            async for attempt in AsyncRetrying(retry=retry_if_exception(is_retryable_declaration),
                                                stop=stop_after_delay(PUBLISH_RETRY_S),
                                                wait=wait_random_exponential(multiplier=0.2, max=2.0), reraise=True):
                 with attempt:
