@@ -38,6 +38,7 @@ class StageMetrics:
     kv_blocks_used: Gauge
     kv_blocks_total: Gauge
     handoff_seconds: Histogram
+    handoff_hold_seconds: Counter
     outbox_seconds: Histogram
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
@@ -67,6 +68,9 @@ def stage_metrics(stage: str) -> StageMetrics:
         handoff_seconds=Histogram(
             f"{p}_handoff_seconds", f"engine step's end to its outputs being handled on the {stage} event loop",
             buckets=HANDOFF_BUCKETS),
+        handoff_hold_seconds=Counter(
+            f"{p}_handoff_hold_seconds_total", f"time the {stage} engine waited before a step for the KV hand-offs of "
+            "prompts it finished (their final put and publish)"),
         outbox_seconds=Histogram(
             f"{p}_outbox_seconds", f"a message posted by the {stage} worker to its publish on the bus",
             buckets=HANDOFF_BUCKETS),

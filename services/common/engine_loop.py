@@ -32,6 +32,16 @@ log = get_logger(__name__)
 #: most this much.
 HANDOFF_WAIT_S = 0.002
 
+#: Longest the engine thread waits, before its next step, for the hand-offs of the prompts its
+#: last step finished (their final KV put and DecodeTask publish, :meth:`EngineLoop.release_handoff`)
+#: where ``hold_handoffs`` is on. On a CPU the put's thread shares the cores with the next step's
+#: threads: in the long-prompt burst (``pdserve bench longmix``, Intel Xeon without AMX tiles, 2
+#: vCPU) a final put of 16-24 blocks took 45-107 ms of wall time for ~4-22 ms of its thread's CPU,
+#: and each such millisecond is one more of the request's first decode gap (docs/decisions.md,
+#: "The hand-off's put before the next prefill step"). Bounded, so a slow store (Redis across a
+#: network) costs a step at most this much.
+HANDOFF_HOLD_S = 0.2
+
 #: Prefill steps a new worker runs before it times its prefill rate. Its first one runs cold
 #: (first touch of the KV pool and the kernels' buffers): 4 prompts of 33 tokens took 791 ms
 #: against 173-236 ms for the same step later (Intel Xeon, AVX-512 without BF16, 2 vCPU,
@@ -60,6 +70,9 @@ class EngineLoop:
             when the engine runs out of work (:class:`services.common.core_share.WorkerState`).
         before_step: called on the engine thread before each step
             (:class:`services.common.core_share.StepThreads`).
+        hold_handoffs: after a step whose outputs carry exported prompt KV (a prefill worker's
+            hand-offs), wait before the next step until each is released
+            (:meth:`release_handoff`), at most :data:`HANDOFF_HOLD_S`.
     """
 
     def __init__(
@@ -73,6 +86,7 @@ class EngineLoop:
         header: dict | None = None,
         on_busy: Callable[[bool], None] | None = None,
         before_step: Callable[[], object] | None = None,
+        hold_handoffs: bool = False,
     ):
         self.engine = engine
         self.metrics = metrics
@@ -91,6 +105,10 @@ class EngineLoop:
         self._spec_seen = (0, 0)  # engine.stats (num_draft_tokens, num_accepted_tokens) last reported
         self._log_path, self._log_at = step_log, 0.0
         self.on_busy, self.before_step = on_busy, before_step
+        self.hold_handoffs = hold_handoffs
+        self._held: set[str] = set()  # request ids whose hand-off the next step waits for
+        self._held_cv = threading.Condition()
+        self.held_seconds = 0.0  # time the engine thread waited for hand-offs (all told)
         if step_log:
             engine.step_log = []
             with open(step_log, "a") as f:
@@ -121,6 +139,29 @@ class EngineLoop:
         fut = self.loop.create_future()
         self._calls.put((fn, fut))
         return fut
+
+    def release_handoff(self, request_id: str) -> None:
+        """The hand-off of ``request_id`` (its final KV put and DecodeTask publish) is done, or
+        will not happen: the engine thread need not wait for it. Any thread; a no-op for a request
+        not held."""
+        with self._held_cv:
+            self._held.discard(request_id)
+            if not self._held:
+                self._held_cv.notify_all()
+
+    def _wait_handoffs(self) -> None:
+        """On the engine thread, before a step: wait for the held hand-offs, at most
+        :data:`HANDOFF_HOLD_S`; those still held after it no longer hold any step."""
+        with self._held_cv:
+            if not self._held:
+                return
+            started = time.perf_counter()
+            self._held_cv.wait_for(lambda: not self._held or self._stop.is_set(), timeout=HANDOFF_HOLD_S)
+            self._held.clear()
+            held = time.perf_counter() - started
+        self.held_seconds += held
+        if self.metrics is not None:
+            self.metrics.handoff_hold_seconds.inc(held)
 
     def _resolve(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
         def done() -> None:
@@ -205,6 +246,7 @@ class EngineLoop:
                 continue
             if self.on_busy is not None:
                 self.on_busy(True)
+            self._wait_handoffs()
             if self.before_step is not None:
                 self.before_step()
             started = time.perf_counter()
@@ -227,6 +269,11 @@ class EngineLoop:
                 self.metrics.batch_size.observe(engine.stats.last_step_seqs)
                 self._observe_speculation(outputs)
             if outputs:
+                if self.hold_handoffs:
+                    held = [out.request_id for out in outputs if out.prompt_kv is not None]
+                    if held:
+                        with self._held_cv:  # before the outputs are delivered: a release follows them
+                            self._held.update(held)
                 self._delivered.clear()
                 self.loop.call_soon_threadsafe(self._deliver, outputs, time.perf_counter())
                 self._delivered.wait(HANDOFF_WAIT_S)

@@ -32,6 +32,11 @@ class ModelWorker(Worker):
     """Base of PrefillWorker and DecodeWorker. Subclasses implement ``_on_outputs``,
     ``_on_step_error`` and ``num_running`` and may extend ``setup``/``serve``."""
 
+    #: whether the engine thread waits, after a step that finished prompts, for their KV
+    #: hand-offs before its next step (CPU engines only: EngineLoop's ``hold_handoffs``); a
+    #: subclass that sets it calls ``engine_loop.release_handoff`` for every such prompt
+    holds_handoffs = False
+
     def __init__(self, settings: Settings, bus: Bus | None = None):
         super().__init__(settings, bus)
         self.engine_loop: EngineLoop | None = None  # the engine on its own thread, once setup() built it
@@ -84,7 +89,8 @@ class ModelWorker(Worker):
                                       self.metrics, step_log=log,
                                       header={"stage": self.stage, "instance": self.settings.instance_id,
                                               "cpus": self.settings.cpu_affinity, "pid": os.getpid()},
-                                      on_busy=on_busy, before_step=before_step).start()
+                                      on_busy=on_busy, before_step=before_step,
+                                      hold_handoffs=self.holds_handoffs and self.engine.device.type == "cpu").start()
 
     async def serve(self) -> None:
         async def on_heartbeat(hb) -> None:

@@ -161,6 +161,7 @@ class KVStager:
 
 class PrefillWorker(ModelWorker):
     stage = "prefill"
+    holds_handoffs = True  # the next prefill step waits for a hand-off's final put (EngineLoop)
 
     def __init__(self, settings: Settings, bus: Bus | None = None):
         super().__init__(settings, bus)
@@ -333,6 +334,7 @@ class PrefillWorker(ModelWorker):
                 meta = with_mark(meta, "prefill.first_token")
                 await self._hand_off(item, task, meta, out, postfilter, store_hit_tokens)
         finally:
+            self.engine_loop.release_handoff(rid)  # put and published, or never to be
             self.pending.pop(rid, None)
             self.early.pop(rid, None)
             self.waiting_first_token.pop(rid, None)
@@ -384,6 +386,7 @@ class PrefillWorker(ModelWorker):
             num_cached_tokens=seq.num_cached_tokens,
         )
         await self.bus.publish_work(self.protocol.decode, decode, work_id(meta), headers=task_headers(meta.deadline_at))
+        self.engine_loop.release_handoff(meta.request_id)  # the next prefill step may start
         if handle is not None:
             try:
                 await asyncio.to_thread(self.ledger.handed_off, meta.request_id)
