@@ -151,10 +151,12 @@ class EngineLoop:
 
     def _wait_handoffs(self) -> None:
         """On the engine thread, before a step: wait for the held hand-offs, at most
-        :data:`HANDOFF_HOLD_S`; those still held after it no longer hold any step."""
+        :data:`HANDOFF_HOLD_S`; those still held after it no longer hold any step. Ids are added
+        on this thread only (other threads only release), so an empty set read without the lock
+        stays empty: a step with nothing held takes no lock."""
+        if not self._held:
+            return
         with self._held_cv:
-            if not self._held:
-                return
             started = time.perf_counter()
             self._held_cv.wait_for(lambda: not self._held or self._stop.is_set(), timeout=HANDOFF_HOLD_S)
             self._held.clear()

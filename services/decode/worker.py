@@ -248,10 +248,10 @@ class DecodeWorker(ModelWorker):
         ahead (:meth:`_reads_ahead`) and has a free slot (:meth:`_capacity`: it could take the
         DecodeTask), read the blocks its prefix cache lacks from the store into it
         (:meth:`import_from_store`: the read in a thread, the copy on the engine thread between
-        steps, one chunk's blocks at a time rather than the whole prompt's at the hand-off). Blocks read for a request another worker takes stay as
-        evictable prefix cache. This is Mooncake's and Splitwise's overlap of the KV transfer
-        with prefill (Qin et al., FAST 2025; Patel et al., ISCA 2024) carried to the reading side,
-        chunk by chunk."""
+        steps, one chunk's blocks at a time rather than the whole prompt's at the hand-off).
+        Blocks read for a request another worker takes stay as evictable prefix cache. This is
+        Mooncake's and Splitwise's overlap of the KV transfer with prefill (Qin et al., FAST 2025;
+        Patel et al., ISCA 2024) carried to the reading side, chunk by chunk."""
         while True:
             await self.prefetch_wake.wait()
             self.prefetch_wake.clear()

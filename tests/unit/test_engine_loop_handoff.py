@@ -60,7 +60,9 @@ def run(tiny_model, hold: bool, release_after_s: float | None):
 
     held_seconds = asyncio.run(main())
     assert seen["exported_at"] is not None, "the prompt was never exported"
-    end = seen["released_at"] if seen["released_at"] is not None else seen["exported_at"] + engine_loop_module.HANDOFF_HOLD_S
+    end = seen["released_at"]
+    if end is None:
+        end = seen["exported_at"] + engine_loop_module.HANDOFF_HOLD_S
     during = [t for t in seen["b_after"] if t < end - 0.01]
     after = [t for t in seen["b_after"] if t >= end]
     first_gap = seen["b_after"][0] - seen["exported_at"] if seen["b_after"] else float("inf")
