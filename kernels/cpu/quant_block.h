@@ -127,6 +127,21 @@ inline constexpr const char* kIsa = "avx2";
 #define PDQ_AVX2_UNROLL _Pragma("GCC unroll 8")
 #endif
 
+// pin_x(v): keeps a vector of x, once loaded, in a register for the FMAs of a register tile (an
+// empty asm that says it reads and writes v). AVX2 has 16 vector registers; with a tile's
+// accumulators and weight vectors in them GCC folded the load of x into each FMA as its memory
+// operand instead, so the 6 x 2 tile issued 14 loads per 12 FMAs where 8 do, and the loads, not
+// the FMAs, set the pace (`perf annotate` of the tile's loop). Pinned, a 64-row call ran at
+// 1.3-1.4x and calls of 2-4 rows at 1.05-1.3x (AMD EPYC Zen 3, docs/decisions.md, "AVX2: x kept
+// in registers"). The FMAs and their order are unchanged, so are the bits. AVX-512 builds (32
+// registers) already kept x in a register; only an AVX2 __m256 is pinned (the emulated bf16
+// build's operands are structures, left alone).
+template <typename T>
+PDQ_AVX2_INLINE void pin_x(T&) {}
+#ifndef PDQ_AVX512
+PDQ_AVX2_INLINE void pin_x(__m256& v) { __asm__("" : "+x"(v)); }
+#endif
+
 // The 32 weights of one group as four vectors of 8 floats (AVX2; also used to de-quantize).
 template <bool Q4>
 PDQ_AVX2_INLINE void load_group(const uint8_t* codes, float d, float m, __m256 w[4]) {
@@ -421,7 +436,8 @@ PDQ_AVX2_INLINE void tile_registers(const typename A::X* x, int64_t K, const uin
     for (int v = 0; v < A::kSteps; ++v)
       PDQ_AVX2_UNROLL
       for (int r = 0; r < R; ++r) {
-        const typename A::Wv xv = A::load(x + r * K + g * G + v * A::kStep);
+        typename A::Wv xv = A::load(x + r * K + g * G + v * A::kStep);
+        pin_x(xv);
         PDQ_AVX2_UNROLL
         for (int j = 0; j < NB; ++j) acc[r][j] = A::step(acc[r][j], xv, w[j][v]);
       }
@@ -447,7 +463,8 @@ inline __attribute__((always_inline)) void tile_widened(const typename A::X* x, 
     for (int j = 0; j < NB; ++j) wv[j] = A::load(w + j * K + k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const typename A::Wv xv = A::load(x + r * K + k);
+      typename A::Wv xv = A::load(x + r * K + k);
+      pin_x(xv);
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) acc[r][j] = A::step(acc[r][j], xv, wv[j]);
     }

@@ -99,6 +99,28 @@ def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path)
     assert _kernel_rows(layer, x[:0], ext, bf16, int8).shape == (0, 30)
 
 
+@pytest.mark.parametrize("path", ["float32", EMULATED])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_block_kernel_rows_keep_their_bits_at_the_models_widths(qtype, path):
+    """A long K (1,600: 50 groups, a chain of 200 AVX2 steps) and 37 weight rows (tiles of four
+    and a tail of one; the 6 x 2 register tiles of AVX2 with an odd weight row left over), whose
+    tiles keep x in registers (quant_block.h, pin_x): each row of a 64-row call must keep the bits
+    it has alone, and the result must be the product (float64 reference of the de-quantized
+    weights)."""
+    ext = _kernel_ext(path)
+    bf16 = path.startswith("bf16")
+    layer = BlockLinear.from_gguf(split_blocks(qtype, _blocks(qtype, rows=37, cols=1600, seed=11)))
+    x = torch.randn(KERNEL_MAX_ROWS, 1600, generator=torch.Generator().manual_seed(12))
+    full = _kernel_rows(layer, x, ext, bf16)
+    for rows, start in ((1, 0), (1, 63), (3, 17), (7, 30), (13, 51), (40, 11)):
+        part = _kernel_rows(layer, x[start:start + rows].contiguous(), ext, bf16)
+        assert torch.equal(part, full[start:start + rows]), (rows, start)
+    w = layer.dequantized().double()
+    xr = x.to(torch.bfloat16) if bf16 else x
+    expected = xr.double() @ (w.to(torch.bfloat16).double() if bf16 else w).T
+    assert torch.allclose(full.double(), expected, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("path", ["bf16", EMULATED, "amx"])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bf16_block_kernel_rounds_x_and_weights_like_torch(qtype, path):
