@@ -10,6 +10,12 @@ amx) over it.
 
 ``python -m loadtest.experiments.bench_block_kernel [--rows 1,4,16,64] [--repeats 7] [--calls 30]``
 
+``--cold`` measures instead what a decode step sees: each block type of the model's largest
+matrix (SmolLM2-135M's LM head, 49152 x 576) called on blocks that come from memory (a 256 MB
+buffer read between calls), one call at a time, beside a sequential read of the same bytes
+(``torch.sum``): the kernel's read rate against the core's (docs/decisions.md, "AVX2: 8-bit
+blocks read in one stream").
+
 Each cell is the minimum over ``repeats`` rounds of the mean time of ``calls`` calls; within a
 round the two paths run back to back. FLOPs are ``2 M N K``. Prints the load average before
 and after. Without AVX512-BF16 the bf16 column is left out (stated in the output).
@@ -50,12 +56,42 @@ def _best_mean_s(best: float, calls: int, fn, *args, **kwargs) -> float:
     return min(best, (time.perf_counter() - t0) / calls)
 
 
+def cold_rates(ext, rows: list[int], repeats: int, shape: tuple[int, int] = (49152, 576)) -> None:
+    """Print, per block type and row count, the float32 loops' time for one call of ``shape``
+    (N out, K in) on blocks evicted from the caches before each call (a 256 MB buffer summed),
+    the blocks' bytes read per second, and a sequential sum of a byte tensor of the same size
+    timed the same way (GB/s); the best of ``repeats`` calls."""
+    gen = torch.Generator().manual_seed(0)
+    sweep = torch.ones(64 << 20, dtype=torch.float32)
+    n, k = shape
+    for qtype, bits in (("Q4_1", 4), ("Q8_0", 8)):
+        codes, d, m = _layer(bits, n, k, gen)
+        kernel = ext.q4_linear if bits == 4 else ext.q8_linear
+        size = codes.numel() + 2 * (d.numel() + m.numel())
+        flat = torch.ones(size // 4, dtype=torch.float32)
+        for r in rows:
+            x = torch.randn(r, k, generator=gen)
+            best, read = float("inf"), float("inf")
+            for _ in range(repeats):
+                sweep.sum()
+                t0 = time.perf_counter()
+                kernel(x, codes, d, m)
+                best = min(best, time.perf_counter() - t0)
+                sweep.sum()
+                t0 = time.perf_counter()
+                flat.sum()
+                read = min(read, time.perf_counter() - t0)
+            print(f"{n:>5}x{k:<4} {qtype:>5} {r:>4}  {best * 1e3:8.2f} ms  {size / best / 1e9:6.2f} GB/s"
+                  f"  (sequential sum of {size / 1e6:.1f} MB: {size / read / 1e9:6.2f} GB/s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench block-kernel")
     p.add_argument("--rows", default="1,4,16,64")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cold", action="store_true", help="the LM head's shape on blocks read from memory (see above)")
     args = p.parse_args(argv)
     from kernels.cpu import quant
 
@@ -65,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"isa {ext.isa}, bf16 dot products: {'yes' if ext.has_bf16 else 'NO (this CPU lacks AVX512-BF16)'}, "
           f"AMX tiles: {'yes' if getattr(ext, 'has_amx', False) else 'no'}, "
           f"{args.threads} thread(s), load average {_load()}")
+    if args.cold:
+        cold_rates(ext, [int(r) for r in args.rows.split(",")], args.repeats)
+        print(f"load average {_load()}")
+        return 0
     gen = torch.Generator().manual_seed(0)
     dense = torch.bfloat16 if ext.has_bf16 else torch.float32
     print(f"{'shape':>10} {'type':>5} {'rows':>4}  " + "  ".join(f"{b:>8}" for b in paths)
