@@ -59,7 +59,7 @@ def _best_mean_s(best: float, calls: int, fn, *args, **kwargs) -> float:
 def cold_rates(ext, rows: list[int], repeats: int, shape: tuple[int, int] = (49152, 576)) -> None:
     """Print, per block type and row count, the float32 loops' time for one call of ``shape``
     (N out, K in) on blocks evicted from the caches before each call (a 256 MB buffer summed),
-    the blocks' bytes read per second, and a sequential sum of a byte tensor of the same size
+    the blocks' bytes read per second, and a sequential sum of a float32 tensor of as many bytes,
     timed the same way (GB/s); the best of ``repeats`` calls."""
     gen = torch.Generator().manual_seed(0)
     sweep = torch.ones(64 << 20, dtype=torch.float32)

@@ -86,8 +86,8 @@ def test_block_kernel_rows_are_bit_identical_whatever_the_row_count(qtype, path,
     a row's bits must not depend on which path, on its position or on the weight rows' tiling
     (30 output rows: tiles of four and a tail of two; 37 over a long K of 1,600, the model's
     widths: a tail of one, an odd weight row left over by AVX2's 6 x 2 tiles, whose x stays in
-    registers, quant_block.h's pin_x; one row of 8-bit blocks, whose weight rows AVX2 reads one
-    after the other). Zero rows give an empty result. The same for the
+    registers, quant_block.h's pin_x; one to four rows of 8-bit blocks, whose weight rows AVX2
+    reads one after the other). Zero rows give an empty result. The same for the
     int8-activation loops (codes unpacked in registers up to two rows, into a buffer above; rows
     in pairs) and the bf16 dot-product loops (on an AVX512-BF16 CPU, and emulated on any)."""
     ext = _kernel_ext(path)
