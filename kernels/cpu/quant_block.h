@@ -473,14 +473,15 @@ inline __attribute__((always_inline)) void tile_widened(const typename A::X* x, 
     for (int j = 0; j < NB; ++j) y[r * ldy + j] = A::sum(acc[r][j]);
 }
 
-template <typename A, bool Q4, int NB>
+// M <= 4 rows of x against the NB weight rows at codes, as one register tile of M x NB.
+template <typename A, bool Q4, int NB, bool Prefetch = true>
 inline void rows_registers(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const float* d,
                            const float* m, int64_t row_bytes, int64_t ng, float* y, int64_t ldy) {
   switch (M) {
-    case 4: tile_registers<A, Q4, 4, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    case 3: tile_registers<A, Q4, 3, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    case 2: tile_registers<A, Q4, 2, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
-    default: tile_registers<A, Q4, 1, NB>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 4: tile_registers<A, Q4, 4, NB, Prefetch>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 3: tile_registers<A, Q4, 3, NB, Prefetch>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    case 2: tile_registers<A, Q4, 2, NB, Prefetch>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
+    default: tile_registers<A, Q4, 1, NB, Prefetch>(x, K, codes, d, m, row_bytes, ng, y, ldy); break;
   }
 }
 
@@ -591,22 +592,12 @@ inline void with_tile_width(int nb, F&& f) {
 }
 
 // Weight rows [n0, n1) against all M rows of x [M, K] (in A::X): y[r * ldy + n], in arithmetic
-// A. Weight rows go in fours. (One exception, AVX2 float32 builds: 8-bit blocks against up to four
-// rows of x take a tile's four weight rows one after the other, each with its own register tile of
-// R x 1, so the blocks are read front to back in one stream. A Q8_0 block row is twice a 4-bit one,
-// and a tile's four interleaved row streams held the LM head (49152 x 576, 30 MB read from memory
-// at every decode step) to ~5 GB/s on a core that streams 16. One after the other, calls of 1-4 rows
-// ran 1.3-1.8x faster on the head and 1.1-1.5x on 3072 x 576 and 576 x 1536, on 1 and 2 threads,
-// although one row's single accumulator chain then waits on its FMA's latency; the prefetch's
-// distance or hint, and two weight rows at a time, did not help; 4-bit rows, bound by their
-// widening rather than by memory, were 0.73-1.18x so they stay in fours (AMD EPYC Zen 3,
-// docs/decisions.md "AVX2: 8-bit blocks read in one stream"; -DPDQ_Q8_FOURS builds the fours for a
-// comparison). Each (row of x, weight row) chain is unchanged, so are the bits.) Up to
-// kRegisterRows rows of x (4; 6 with AVX-512), each group is widened in registers and used at
-// once (the weights are streamed once; a batch-1 decode step is bound by these instructions).
-// Above that, the four weight rows are widened once into a buffer of A::W (4 K elements, in L1)
-// and every kTileRows x kTileCols tile of (rows of x, weight rows) reads it (AVX-512 4 x 4: 16
-// steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of widening again per four rows.
+// A. Weight rows go in fours. Up to kRegisterRows rows of x (4; 6 with AVX-512), each group is
+// widened in registers and used at once (the weights are streamed once; a batch-1 decode step
+// is bound by these instructions). Above that, the four weight rows are widened once into a
+// buffer of A::W (4 K elements, in L1) and every kTileRows x kTileCols tile of (rows of x,
+// weight rows) reads it (AVX-512 4 x 4: 16 steps per 8 loads; AVX2 6 x 2: 12 per 8), instead of
+// widening again per four rows. (One exception, AVX2 float32 builds, 8-bit blocks: see below.)
 template <typename A, bool Q4>
 inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const uint8_t* codes, const scale_t* d,
                             const scale_t* m, int64_t n0, int64_t n1, float* y, int64_t ldy) {
@@ -623,19 +614,21 @@ inline void block_rows_with(const typename A::X* x, int64_t M, int64_t K, const 
     const float* dn = ts.d;
     const float* mn = ts.m;
 #if !defined(PDQ_AVX512) && !defined(PDQ_Q8_FOURS)
+    // AVX2 float32, 8-bit blocks against up to four rows of x: the tile's weight rows one after
+    // the other, each as a register tile of M x 1, so the blocks are read front to back in one
+    // stream. A Q8_0 block row is twice a 4-bit one, and a tile's four interleaved row streams
+    // held the LM head (49152 x 576, 30 MB read from memory at every decode step) to ~5 GB/s on a
+    // core that streams 16. One after the other, calls of 1-4 rows ran 1.3-1.8x faster on the head
+    // and 1.1-1.5x on 3072 x 576 and 576 x 1536, on 1 and 2 threads, although one row's single
+    // accumulator chain then waits on its FMA's latency; the prefetch's distance or hint, and two
+    // weight rows at a time, did not help; 4-bit rows, bound by their widening rather than by
+    // memory, were 0.73-1.18x so they stay in fours (AMD EPYC Zen 3, docs/decisions.md "AVX2: 8-bit
+    // blocks read in one stream"; -DPDQ_Q8_FOURS builds the fours for a comparison). Each (row of
+    // x, weight row) chain is unchanged, so are the bits.
     if constexpr (!Q4 && std::is_same_v<A, F32Fma>) {
-      if (M <= 4) {  // 8-bit blocks, up to four rows of x: the tile's weight rows one after the other (above)
-        auto each_row = [&](auto rc) {
-          for (int j = 0; j < nb; ++j)
-            tile_registers<A, false, decltype(rc)::value, 1, false>(x, K, c + j * row_bytes, dn + j * ng, dn, row_bytes,
-                                                                     ng, y + n + j, ldy);
-        };
-        switch (M) {
-          case 4: each_row(std::integral_constant<int, 4>{}); break;
-          case 3: each_row(std::integral_constant<int, 3>{}); break;
-          case 2: each_row(std::integral_constant<int, 2>{}); break;
-          default: each_row(std::integral_constant<int, 1>{}); break;
-        }
+      if (M <= 4) {
+        for (int j = 0; j < nb; ++j)
+          rows_registers<A, false, 1, false>(x, M, K, c + j * row_bytes, dn + j * ng, dn, row_bytes, ng, y + n + j, ldy);
         continue;
       }
     }
