@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "quant_block.h"
@@ -154,6 +155,27 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
   }
 }
 
+// A call's float32 scratch, grown when a call needs more and never filled: every element a
+// call reads it wrote first. One per thread, shared by every layer (a layer's call does not
+// keep it past its return): per-layer vectors held 30 copies (~320 MB at 512 rows) and
+// zero-filled their growth on every resize after a smaller call (memset and page faults
+// were ~6 % of an AMX prefill's samples, docs/decisions.md).
+class Scratch {
+ public:
+  float* get(int64_t n) {
+    if (static_cast<size_t>(n) > size_) {
+      data_.reset(new float[static_cast<size_t>(n)]);  // default-initialized: not zeroed
+      size_ = static_cast<size_t>(n);
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  size_t size_ = 0;
+};
+thread_local Scratch scratch_h, scratch_buf, scratch_act;
+
 class DecodeLayer {
  public:
   DecodeLayer(torch::Tensor norm1, torch::Tensor norm2, double eps, Blocks qkv, Blocks o, Blocks gate_up,
@@ -177,19 +199,17 @@ class DecodeLayer {
     auto c = cos.to(torch::kFloat).contiguous();
     auto s = sin.to(torch::kFloat).contiguous();
     auto sl = slots.to(torch::kLong).contiguous();
-    h_.resize(M * H_);
-    buf_.resize(M * W);
     const float* xp = x.data_ptr<float>();
     const float* w1 = norm1_.data_ptr<float>();
-    float* hp = h_.data();
+    float* hp = scratch_h.get(M * H_);
+    float* bp = scratch_buf.get(M * W);
     for_rows(M, [&](int64_t r) { rms_norm_row(xp + r * H_, w1, eps_, H_, hp + r * H_); });
-    qkv_.matmul(h_.data(), M, buf_.data(), W);
+    qkv_.matmul(hp, M, bp, W);
     auto q = torch::empty({M, nq_, D_}, x.options());
     float* qp = q.data_ptr<float>();
     const int64_t kv_row = nkv_ * D_;
     TORCH_CHECK(k_cache.scalar_type() == torch::kFloat || k_cache.scalar_type() == torch::kBFloat16,
                 "KV cache must be float32 or bfloat16");
-    float* bp = buf_.data();
     for_rows(M, [&](int64_t r) {
       float* row = bp + r * W;
       const float* cr = c.data_ptr<float>() + r * D_;
@@ -216,19 +236,16 @@ class DecodeLayer {
     const int64_t M = x.size(0);
     auto a = attn.to(torch::kFloat).contiguous().view({M, nq_ * D_});
     float* xp = x.data_ptr<float>();
-    h_.resize(M * H_);
-    buf_.resize(M * 2 * I_);
-    act_.resize(M * I_);
-    float* hp = h_.data();
+    float* hp = scratch_h.get(M * H_);
+    float* bp = scratch_buf.get(M * 2 * I_);
+    float* ap = scratch_act.get(M * I_);
     const float* w2 = norm2_.data_ptr<float>();
     o_.matmul(a.data_ptr<float>(), M, hp, H_);
     for_rows(M, [&](int64_t r) {
       for (int64_t i = r * H_; i < (r + 1) * H_; ++i) xp[i] += hp[i];
       rms_norm_row(xp + r * H_, w2, eps_, H_, hp + r * H_);
     });
-    gate_up_.matmul(hp, M, buf_.data(), 2 * I_);
-    const float* bp = buf_.data();
-    float* ap = act_.data();
+    gate_up_.matmul(hp, M, bp, 2 * I_);
     for_rows(M, [&](int64_t r) {
       const float* g = bp + r * 2 * I_;
       const float* u = g + I_;
@@ -247,7 +264,6 @@ class DecodeLayer {
   float eps_;
   Blocks qkv_, o_, gate_up_, down_;
   int64_t nq_, nkv_, D_, H_, I_;
-  std::vector<float> h_, buf_, act_;  // scratch (one step at a time per layer)
 };
 
 // RMSNorm of each row: x [M, H] float32, weight [H]; returns [M, H] float32.
