@@ -157,9 +157,9 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
 
 // A call's float32 scratch, grown when a call needs more and never filled: every element a
 // call reads it wrote first. One per thread, shared by every layer (a layer's call does not
-// keep it past its return): per-layer vectors held 30 copies (~320 MB at 512 rows) and
-// zero-filled their growth on every resize after a smaller call (memset and page faults
-// were ~6 % of an AMX prefill's samples, docs/decisions.md).
+// keep it past its return): vectors of each layer's own held one copy a layer (~320 MB for
+// SmolLM2's 30 at 512 rows) and zero-filled their growth on every resize after a smaller call
+// (memset and page faults were ~7 % of an AMX prefill's samples, docs/decisions.md).
 class Scratch {
  public:
   float* get(int64_t n) {
