@@ -80,19 +80,25 @@ inline void hsum8(const v8f a[8], float* out) {
 inline float max_into(float m, const float* x, int64_t n) {
   int64_t j = 0;
   if (n >= 8) {
-    v8f mv[4];
-    for (auto& v : mv) v = v8f{} + m;
-    for (; j + 32 <= n; j += 32)
-      for (int u = 0; u < 4; ++u) {
-        const v8f xv = load8(x + j + 8 * u);
-        mv[u] = xv > mv[u] ? xv : mv[u];
+    v8f mv = v8f{} + m;
+    if (n >= 32) {  // (a decode block's 16 keys stay on one chain: no extra maxima to fold)
+      v8f m1 = mv, m2 = mv, m3 = mv;
+      for (; j + 32 <= n; j += 32) {
+        const v8f x0 = load8(x + j), x1 = load8(x + j + 8), x2 = load8(x + j + 16), x3 = load8(x + j + 24);
+        mv = x0 > mv ? x0 : mv;
+        m1 = x1 > m1 ? x1 : m1;
+        m2 = x2 > m2 ? x2 : m2;
+        m3 = x3 > m3 ? x3 : m3;
       }
+      mv = m1 > mv ? m1 : mv;  // lane by lane: exact in any order (no NaN reaches these)
+      m2 = m3 > m2 ? m3 : m2;
+      mv = m2 > mv ? m2 : mv;
+    }
     for (; j + 8 <= n; j += 8) {
       const v8f xv = load8(x + j);
-      mv[0] = xv > mv[0] ? xv : mv[0];
+      mv = xv > mv ? xv : mv;
     }
-    for (int u = 0; u < 4; ++u)
-      for (int i = 0; i < 8; ++i) m = std::max(m, mv[u][i]);
+    for (int i = 0; i < 8; ++i) m = std::max(m, mv[i]);
   }
   for (; j < n; ++j) m = std::max(m, x[j]);
   return m;
